@@ -1,0 +1,1 @@
+"""remp controller: plans and drives switches; topology state machine in Redis (issue 4)."""

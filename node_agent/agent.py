@@ -1,0 +1,196 @@
+"""The node agent process: gRPC NodeAgent service + the embedded vLLM engine + its HTTP API.
+
+Lifecycle (STYLE.md §10): gRPC comes up first with readiness NOT_SERVING while the engine starts;
+once the engine is ready readiness turns SERVING and the OpenAI API is served. SIGTERM/SIGINT →
+NOT_SERVING → HTTP and gRPC stop (with grace) → engine shutdown. An engine that dies turns the
+agent NOT_SERVING and makes it exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import remp
+from remp import logs
+from remp.grpc_util import make_server, set_serving
+from remp.topology import Topology
+
+from node_agent.config import ResolvedAgentConfig
+
+SERVICE_NAME = "remp.node_agent.v1.NodeAgent"
+log = logs.get_logger("remp.node_agent")
+
+
+@dataclass(frozen=True)
+class AgentSnapshot:
+    """What Describe reports, gathered at one moment."""
+
+    config: ResolvedAgentConfig
+    topology: Topology
+    status: str  # starting | serving | switching | dead | stopping
+    http_address: str
+    vllm_version: str
+    agent_version: str
+    workers: list[dict] = field(default_factory=list)
+    engine: dict | None = None  # engine-core facts (remp_engine_info)
+    current_switch_id: str = ""
+
+
+class NodeAgent:
+    """Owns the engine and the agent's observable state; the servicer only converts."""
+
+    def __init__(self, cfg: ResolvedAgentConfig, http_address: str):
+        from node_agent import engine_plugin
+
+        self.cfg = cfg
+        self.topology = cfg.topology
+        self.status = "starting"
+        self.http_address = http_address
+        self._vllm_version = engine_plugin.vllm_version()
+        self.engine: engine_plugin.EngineHandle | None = None
+
+    async def snapshot(self) -> AgentSnapshot:
+        workers: list[dict] = []
+        engine: dict | None = None
+        if self.status == "serving" and self.engine is not None:
+            try:
+                workers, engine = await asyncio.wait_for(
+                    asyncio.gather(self.engine.worker_info(), self.engine.engine_info()), timeout=10
+                )
+            except (asyncio.TimeoutError, RuntimeError) as exc:
+                log.warning("agent.engine_facts_failed", error=str(exc))
+        return AgentSnapshot(
+            config=self.cfg,
+            topology=self.topology,
+            status=self.status,
+            http_address=self.http_address,
+            vllm_version=self._vllm_version,
+            agent_version=remp.__version__,
+            workers=sorted(workers, key=lambda w: w["rank"]),
+            engine=engine,
+        )
+
+
+def prepare_environment(cfg: ResolvedAgentConfig, state_dir: str) -> None:
+    """Process environment for vLLM; must run before vLLM is imported."""
+    from node_agent import engine_plugin
+
+    env = (
+        engine_plugin.cpu_backend_env(cfg.cpu_binds, cfg.settings.kv_cache_gib, state_dir)
+        if cfg.host.device_type == "cpu"
+        else engine_plugin.common_env(state_dir)
+    )
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("VLLM_LOGGING_PREFIX", f"[node={cfg.settings.node}] ")
+    Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+async def run(cfg: ResolvedAgentConfig) -> int:
+    """Run the agent until SIGTERM/SIGINT (returns 0) or engine death (returns 1)."""
+    from node_agent import engine_plugin
+    from node_agent.servicer import NodeAgentServicer, add_to_server
+
+    s = cfg.settings
+    own_state_dir = s.state_dir is None
+    state_dir = tempfile.mkdtemp(prefix="remp-agent-") if own_state_dir else str(s.state_dir)
+    prepare_environment(cfg, state_dir)
+
+    http_sock = bind_http(s.host, s.http_port)
+    http_port = http_sock.getsockname()[1]
+    agent = NodeAgent(cfg, f"http://{s.host}:{http_port}")
+    server, health, grpc_port = make_server([SERVICE_NAME], s.host, s.grpc_port)
+    add_to_server(NodeAgentServicer(agent), server)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME], False)
+    log.info("agent.grpc_listening", grpc=f"{s.host}:{grpc_port}", http=agent.http_address,
+             topology=str(cfg.topology), candidates=[str(t) for t in cfg.candidates])
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    rc = 0
+    handle = engine_plugin.EngineHandle(
+        engine_plugin.EngineSpec(
+            model=cfg.model.path, tp=cfg.topology.tp, pp=cfg.topology.pp, dtype=cfg.dtype,
+            max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens, enforce_eager=s.enforce_eager,
+            seed=s.seed, served_model_name=s.served_model_name or Path(cfg.model.path).name,
+            host=s.host, http_port=http_port, gpu_memory_utilization=s.gpu_memory_utilization,
+            extra_args=s.extra_vllm_args,
+        )
+    )
+    agent.engine = handle
+    http_task: asyncio.Task | None = None
+    try:
+        start = asyncio.create_task(handle.start())
+        stop_wait = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if start not in done:
+            log.info("agent.stopped_during_start")
+            start.cancel()
+            return 0
+        stop_wait.cancel()
+        start.result()  # engine start failure propagates
+        if s.warm_up:
+            log.info("agent.warmed_up", seconds=round(await handle.warm_up(), 2))
+        http_task = asyncio.create_task(handle.serve_http(http_sock))
+        agent.status = "serving"
+        await set_serving(health, [SERVICE_NAME], True)
+        log.info("agent.ready", grpc=f"{s.host}:{grpc_port}", http=agent.http_address,
+                 topology=str(agent.topology))
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            if handle.errored:
+                log.error("agent.engine_dead")
+                agent.status, rc = "dead", 1
+                break
+            if http_task.done():
+                log.error("agent.http_stopped", error=repr(http_task.exception()))
+                rc = 1
+                break
+    except Exception as exc:  # noqa: BLE001 - engine start failure: one line, exit non-zero
+        log.error("agent.engine_start_failed", error=f"{type(exc).__name__}: {exc}")
+        rc = 1
+    finally:
+        if agent.status != "dead":
+            agent.status = "stopping"
+        await set_serving(health, [SERVICE_NAME], False)
+        handle.stop_http()
+        if http_task is not None:
+            try:
+                await asyncio.wait_for(http_task, timeout=5)
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
+                http_task.cancel()
+        http_sock.close()
+        await server.stop(grace=2)
+        await loop.run_in_executor(None, handle.shutdown)
+        if own_state_dir:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        log.info("agent.exit", rc=rc)
+    return rc

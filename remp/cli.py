@@ -1,0 +1,123 @@
+"""The ``remp`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _agent_parser(sub) -> None:
+    p = sub.add_parser("agent", help="run a node agent embedding vLLM",
+                       description="Run a node agent: vLLM engine + NodeAgent gRPC + OpenAI HTTP API. "
+                                   "Arguments after -- go to vLLM unchanged.")
+    p.add_argument("--model", required=True, type=Path, help="HuggingFace model directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--node", help="node name (default: hostname)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--devices", type=int, help="devices workers may use (CPU default: cores)")
+    p.add_argument("--candidates", help="comma-separated candidate topologies, e.g. TP2PP1,TP1PP2")
+    p.add_argument("--host")
+    p.add_argument("--grpc-port", type=int)
+    p.add_argument("--http-port", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--kv-cache-gib", type=float, help="CPU: KV cache space per worker")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--served-model-name")
+    p.add_argument("--state-dir", type=Path)
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None,
+                   help="report ready without a warm-up generation")
+    p.add_argument("extra_vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def _make_model_parser(sub) -> None:
+    p = sub.add_parser("make-model", help="write the deterministic tiny random Llama")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="remp", description="live TP x PP topology switching for vLLM")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _agent_parser(sub)
+    _make_model_parser(sub)
+    return ap
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"remp: error: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_make_model(a) -> int:
+    from remp.modelgen import TinyLlamaSpec, make_model
+
+    try:
+        spec = TinyLlamaSpec(hidden_size=a.hidden_size, num_layers=a.layers,
+                             num_attention_heads=a.heads, num_kv_heads=a.kv_heads,
+                             vocab_size=a.vocab, dtype=a.dtype, seed=a.seed)
+    except ValueError as exc:
+        return fail(str(exc))
+    out = make_model(a.dir, spec)
+    print(out)
+    return 0
+
+
+def cmd_agent(a) -> int:
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from remp import logs
+    from remp.errors import ConfigError
+
+    extra = list(a.extra_vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    elif extra:
+        return fail(f"unrecognized arguments: {' '.join(extra)} (pass vLLM arguments after --)")
+    fields = {k: v for k, v in vars(a).items()
+              if v is not None and k not in ("cmd", "extra_vllm_args", "candidates")}
+    if a.candidates:
+        fields["candidates"] = [c for c in a.candidates.split(",") if c.strip()]
+    fields["extra_vllm_args"] = extra
+    try:
+        from node_agent.config import AgentSettings, resolve
+
+        settings = AgentSettings(**fields)
+        cfg = resolve(settings)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        return fail(f"invalid setting {where}: {err['msg']}")
+    except ConfigError as exc:
+        return fail(str(exc))
+    try:
+        logs.configure(node=settings.node)
+    except ValueError as exc:
+        return fail(str(exc))
+    from node_agent import agent
+
+    try:
+        return asyncio.run(agent.run(cfg))
+    except OSError as exc:
+        return fail(str(exc), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return {"agent": cmd_agent, "make-model": cmd_make_model}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

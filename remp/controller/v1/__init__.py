@@ -1,0 +1,1 @@
+# Generated package (remp.protogen). Do not edit.

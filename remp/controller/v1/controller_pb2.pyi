@@ -1,0 +1,298 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from remp.common.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_HEALTH_UNSPECIFIED: _ClassVar[NodeHealth]
+    NODE_HEALTH_READY: _ClassVar[NodeHealth]
+    NODE_HEALTH_SWITCHING: _ClassVar[NodeHealth]
+    NODE_HEALTH_LOST: _ClassVar[NodeHealth]
+    NODE_HEALTH_DRAINING: _ClassVar[NodeHealth]
+
+class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_TYPE_UNSPECIFIED: _ClassVar[EventType]
+    EVENT_TYPE_NODE_REGISTERED: _ClassVar[EventType]
+    EVENT_TYPE_NODE_LOST: _ClassVar[EventType]
+    EVENT_TYPE_SWITCH_PHASE: _ClassVar[EventType]
+    EVENT_TYPE_SWITCH_DONE: _ClassVar[EventType]
+    EVENT_TYPE_SWITCH_FAILED: _ClassVar[EventType]
+    EVENT_TYPE_SWITCH_ROLLED_BACK: _ClassVar[EventType]
+    EVENT_TYPE_SWITCH_ABORTED: _ClassVar[EventType]
+    EVENT_TYPE_RECOMMENDATION: _ClassVar[EventType]
+NODE_HEALTH_UNSPECIFIED: NodeHealth
+NODE_HEALTH_READY: NodeHealth
+NODE_HEALTH_SWITCHING: NodeHealth
+NODE_HEALTH_LOST: NodeHealth
+NODE_HEALTH_DRAINING: NodeHealth
+EVENT_TYPE_UNSPECIFIED: EventType
+EVENT_TYPE_NODE_REGISTERED: EventType
+EVENT_TYPE_NODE_LOST: EventType
+EVENT_TYPE_SWITCH_PHASE: EventType
+EVENT_TYPE_SWITCH_DONE: EventType
+EVENT_TYPE_SWITCH_FAILED: EventType
+EVENT_TYPE_SWITCH_ROLLED_BACK: EventType
+EVENT_TYPE_SWITCH_ABORTED: EventType
+EVENT_TYPE_RECOMMENDATION: EventType
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node", "agent_address", "http_address", "topology", "candidates", "host", "model", "kv_bandwidth_bps", "weight_bandwidth_bps")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    agent_address: str
+    http_address: str
+    topology: _types_pb2.Topology
+    candidates: _containers.RepeatedCompositeFieldContainer[_types_pb2.Topology]
+    host: _types_pb2.HostFacts
+    model: _types_pb2.ModelFacts
+    kv_bandwidth_bps: float
+    weight_bandwidth_bps: float
+    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., kv_bandwidth_bps: _Optional[float] = ..., weight_bandwidth_bps: _Optional[float] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("lease_seconds", "epoch")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    epoch: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node", "topology", "engine_status", "traffic")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    topology: _types_pb2.Topology
+    engine_status: _types_pb2.EngineStatus
+    traffic: _types_pb2.TrafficSample
+    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class NodeState(_message.Message):
+    __slots__ = ("node", "agent_address", "http_address", "desired", "observed", "candidates", "health", "lease_age_seconds", "current_switch", "epoch", "stale", "host", "model", "recommendation")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RECOMMENDATION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    agent_address: str
+    http_address: str
+    desired: _types_pb2.Topology
+    observed: _types_pb2.Topology
+    candidates: _containers.RepeatedCompositeFieldContainer[_types_pb2.Topology]
+    health: NodeHealth
+    lease_age_seconds: float
+    current_switch: _types_pb2.SwitchRecord
+    epoch: int
+    stale: bool
+    host: _types_pb2.HostFacts
+    model: _types_pb2.ModelFacts
+    recommendation: str
+    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., desired: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., observed: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., health: _Optional[_Union[NodeHealth, str]] = ..., lease_age_seconds: _Optional[float] = ..., current_switch: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., epoch: _Optional[int] = ..., stale: _Optional[bool] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., recommendation: _Optional[str] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("node", "target")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    target: _types_pb2.Topology
+    def __init__(self, node: _Optional[str] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("src_rank", "dst_rank", "layers", "kv_head_start", "kv_head_end", "kv_bytes")
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    src_rank: int
+    dst_rank: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    kv_head_start: int
+    kv_head_end: int
+    kv_bytes: int
+    def __init__(self, src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class ShardLoad(_message.Message):
+    __slots__ = ("rank", "layers", "tp_rank", "tp_size", "weight_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    tp_rank: int
+    tp_size: int
+    weight_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("node", "from_topology", "to_topology", "transfers", "shard_loads", "kv_bytes_total", "weight_bytes_total", "predicted", "predicted_total_seconds", "requests_to_preempt", "noop")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TO_PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    NOOP_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    from_topology: _types_pb2.Topology
+    to_topology: _types_pb2.Topology
+    transfers: _containers.RepeatedCompositeFieldContainer[Transfer]
+    shard_loads: _containers.RepeatedCompositeFieldContainer[ShardLoad]
+    kv_bytes_total: int
+    weight_bytes_total: int
+    predicted: _containers.RepeatedCompositeFieldContainer[_types_pb2.PhaseTiming]
+    predicted_total_seconds: float
+    requests_to_preempt: int
+    noop: bool
+    def __init__(self, node: _Optional[str] = ..., from_topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., to_topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., shard_loads: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_bytes_total: _Optional[int] = ..., weight_bytes_total: _Optional[int] = ..., predicted: _Optional[_Iterable[_Union[_types_pb2.PhaseTiming, _Mapping]]] = ..., predicted_total_seconds: _Optional[float] = ..., requests_to_preempt: _Optional[int] = ..., noop: _Optional[bool] = ...) -> None: ...
+
+class ReconfigureRequest(_message.Message):
+    __slots__ = ("node", "target", "request_id", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    target: _types_pb2.Topology
+    request_id: str
+    reason: str
+    def __init__(self, node: _Optional[str] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReconfigureResponse(_message.Message):
+    __slots__ = ("switch_id", "noop", "duplicate")
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    NOOP_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    switch_id: str
+    noop: bool
+    duplicate: bool
+    def __init__(self, switch_id: _Optional[str] = ..., noop: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("node", "switch_id", "include_history")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    switch_id: str
+    include_history: bool
+    def __init__(self, node: _Optional[str] = ..., switch_id: _Optional[str] = ..., include_history: _Optional[bool] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("id", "type", "node", "switch_id", "phase", "at", "record", "detail")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    type: EventType
+    node: str
+    switch_id: str
+    phase: _types_pb2.Phase
+    at: _timestamp_pb2.Timestamp
+    record: _types_pb2.SwitchRecord
+    detail: str
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., node: _Optional[str] = ..., switch_id: _Optional[str] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., record: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("switch_id", "reason")
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    switch_id: str
+    reason: str
+    def __init__(self, switch_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted", "phase")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    phase: _types_pb2.Phase
+    def __init__(self, aborted: _Optional[bool] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ...) -> None: ...
+
+class GetSwitchRequest(_message.Message):
+    __slots__ = ("switch_id",)
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    switch_id: str
+    def __init__(self, switch_id: _Optional[str] = ...) -> None: ...
+
+class ListSwitchesRequest(_message.Message):
+    __slots__ = ("node", "page_size", "page_token")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    page_size: int
+    page_token: str
+    def __init__(self, node: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListSwitchesResponse(_message.Message):
+    __slots__ = ("switches", "next_page_token")
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    switches: _containers.RepeatedCompositeFieldContainer[_types_pb2.SwitchRecord]
+    next_page_token: str
+    def __init__(self, switches: _Optional[_Iterable[_Union[_types_pb2.SwitchRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,100 @@
+"""gRPC plumbing shared by the services: channel options, server with health and reflection,
+and the one place where typed errors become gRPC statuses."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from remp.errors import RempError, grpc_status_for
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_DEADLINE_S = 10.0
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def make_server(
+    full_service_names: Iterable[str], host: str, port: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """A grpc.aio server with reflection and grpc.health.v1 already added.
+
+    Health starts NOT_SERVING for every named service (readiness) and SERVING for "" (liveness).
+    Returns (server, health servicer, bound port); add service servicers before ``start()``.
+    """
+    server = grpc.aio.server(options=server_options())
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(full_service_names)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    return server, health_servicer, bound
+
+
+async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in names:
+        await health_servicer.set(name, status)
+
+
+def rpc_errors(fn: Callable) -> Callable:
+    """Servicer decorator: typed remp errors become their gRPC status, with their message.
+
+    Unknown exceptions propagate (gRPC reports them as UNKNOWN with no internals leaked) — the
+    point is that every expected failure has a typed error and a deliberate status.
+    """
+
+    @functools.wraps(fn)
+    async def unary(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except RempError as exc:
+            await context.abort(grpc_status_for(exc), str(exc))
+
+    return unary
+
+
+def rpc_errors_stream(fn: Callable) -> Callable:
+    """Like :func:`rpc_errors` for server-streaming methods (async generators)."""
+
+    @functools.wraps(fn)
+    async def stream(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except RempError as exc:
+            await context.abort(grpc_status_for(exc), str(exc))
+
+    return stream

@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from node_agent.config import AgentSettings, cpu_binds, read_model_facts, resolve
+from remp.errors import ConfigError
+from remp.modelgen import make_model
+from remp.topology import Topology
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def settings(model, **kw):
+    return AgentSettings(model=model, device="cpu", devices=kw.pop("devices", 4), **kw)
+
+
+def test_resolve_valid(model):
+    cfg = resolve(settings(model, tp=2, pp=2, dtype="float32"))
+    assert cfg.topology == Topology(2, 2)
+    assert Topology(1, 4) in cfg.candidates and Topology(4, 1) in cfg.candidates
+    assert cfg.dtype == "float32"
+    assert cfg.model.shape.head_size == 32
+    assert len(cfg.cpu_binds) == 4
+
+
+def test_dtype_auto_is_the_checkpoint_dtype(model):
+    assert resolve(settings(model)).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"tp": 3}, "TP=3 does not divide the 8 attention heads"),
+    ({"tp": 8, "devices": 8}, "TP=8 does not divide the 4 KV heads"),
+    ({"pp": 3}, "PP=3 does not divide the 4 layers"),
+    ({"tp": 2, "pp": 2, "devices": 2}, "TP*PP=4 is more than the 2 devices"),
+    ({"candidates": ["TP3PP1"]}, "candidate TP3PP1 is not valid"),
+    ({"candidates": ["bogus"]}, "invalid topology 'bogus'"),
+    ({"max_model_len": 4096}, "exceeds the model's 2048 positions"),
+])
+def test_resolve_rejects(model, kw, msg):
+    with pytest.raises(ConfigError, match=msg.replace("*", r"\*")) as e:
+        resolve(settings(model, **kw))
+    assert "\n" not in str(e.value)
+
+
+def test_valid_targets_named(model):
+    with pytest.raises(ConfigError, match=r"valid on this host: TP1PP1, TP2PP1, TP1PP2"):
+        resolve(settings(model, tp=4, devices=2))
+
+
+def test_model_dir_problems(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_model_facts(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="not a HuggingFace model directory"):
+        read_model_facts(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        read_model_facts(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ConfigError, match="lacks a usable model shape"):
+        read_model_facts(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 2}))
+    with pytest.raises(ConfigError, match="holds no weights"):
+        read_model_facts(tmp_path)
+
+
+def test_candidates_restrict_and_include_current(model):
+    cfg = resolve(settings(model, tp=2, candidates=["TP1PP2"]))
+    assert cfg.candidates == [Topology(2, 1), Topology(1, 2)]
+
+
+@pytest.mark.parametrize("world,cpus,expected", [
+    (1, [0, 1], ["0,1"]),
+    (2, [0, 1], ["0", "1"]),
+    (4, [0, 1], ["0", "1", "0", "1"]),
+    (2, [0, 1, 2, 3], ["0,1", "2,3"]),
+])
+def test_cpu_binds(world, cpus, expected):
+    assert cpu_binds(world, cpus) == expected

@@ -1,0 +1,43 @@
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from remp import errors
+
+
+@pytest.mark.parametrize("exc,code", [
+    (errors.InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound("x"), grpc.StatusCode.NOT_FOUND),
+    (errors.FailedPrecondition("x"), grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.Unavailable("x"), grpc.StatusCode.UNAVAILABLE),
+    (errors.Unauthenticated("x"), grpc.StatusCode.UNAUTHENTICATED),
+    (errors.ConfigError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("x"), grpc.StatusCode.INTERNAL),
+])
+def test_status_mapping(exc, code):
+    assert errors.grpc_status_for(exc) == code
+
+
+def _log_line(fmt: str) -> str:
+    code = ("from remp import logs; logs.configure(node='n7'); "
+            "logs.get_logger().info('hello', switch_id='s1')")
+    env = {"REMP_LOG_FORMAT": fmt, "PATH": ""}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stderr.strip()
+
+
+def test_json_logs_carry_node():
+    rec = json.loads(_log_line("json"))
+    assert rec["node"] == "n7" and rec["event"] == "hello" and rec["switch_id"] == "s1"
+    assert rec["level"] == "info" and "timestamp" in rec
+
+
+def test_console_logs_carry_node():
+    line = _log_line("console")
+    assert "hello" in line and "node=n7" in line
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(line)
