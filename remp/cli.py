@@ -7,6 +7,13 @@ import sys
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"remp: error: {message} (see: {self.prog} --help)\n")
+
+
 def _agent_parser(sub) -> None:
     p = sub.add_parser("agent", help="run a node agent embedding vLLM",
                        description="Run a node agent: vLLM engine + NodeAgent gRPC + OpenAI HTTP API. "
@@ -47,8 +54,8 @@ def _make_model_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="remp", description="live TP x PP topology switching for vLLM")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="remp", description="live TP x PP topology switching for vLLM")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _agent_parser(sub)
     _make_model_parser(sub)
     return ap
