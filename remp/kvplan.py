@@ -1,0 +1,110 @@
+"""The 2D migration plan (pure): who owns each (layer, KV head) before and after a switch.
+
+Rank g of topology TP×PP owns layer ℓ and KV head h when g = s·TP + r with
+s = ⌊ℓ / (L/PP)⌋ (pipeline stage) and r = ⌊h / (H/TP)⌋ (tensor rank) — vLLM's rank order.
+A switch moves, for every layer, each contiguous head range whose owner changes; ranges whose
+owner stays are local copies (same rank, possibly another layer slot or head offset). Slices are
+keyed by block id: vLLM block ids are global, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remp.topology import Topology
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Heads [head_start, head_end) of global layer ``layer`` go from rank ``src`` to ``dst``."""
+
+    layer: int
+    head_start: int
+    head_end: int
+    src: int
+    dst: int
+
+    @property
+    def heads(self) -> int:
+        return self.head_end - self.head_start
+
+    @property
+    def local(self) -> bool:
+        return self.src == self.dst
+
+
+@dataclass(frozen=True)
+class RankView:
+    """Where global (layer, head) live inside one rank of a topology."""
+
+    topo: Topology
+    num_layers: int
+    num_kv_heads: int
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.topo.pp
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.topo.tp
+
+    def owner(self, layer: int, head: int) -> int:
+        stage = layer // self.layers_per_stage
+        return stage * self.topo.tp + head // self.heads_per_rank
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.topo.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.topo.tp
+
+    def layers_of(self, rank: int) -> range:
+        s = self.stage_of(rank)
+        return range(s * self.layers_per_stage, (s + 1) * self.layers_per_stage)
+
+    def heads_of(self, rank: int) -> range:
+        r = self.tp_rank_of(rank)
+        return range(r * self.heads_per_rank, (r + 1) * self.heads_per_rank)
+
+    def local_head(self, head: int) -> int:
+        return head % self.heads_per_rank
+
+
+def check_shape(topo: Topology, num_layers: int, num_kv_heads: int) -> None:
+    if num_layers % topo.pp or num_kv_heads % topo.tp:
+        raise ValueError(f"{topo} does not evenly split {num_layers} layers × {num_kv_heads} KV heads")
+
+
+def migration_plan(old: Topology, new: Topology, num_layers: int, num_kv_heads: int) -> list[Slice]:
+    """Every slice of every layer, layer by layer (layer-major order), local copies included."""
+    check_shape(old, num_layers, num_kv_heads)
+    check_shape(new, num_layers, num_kv_heads)
+    a = RankView(old, num_layers, num_kv_heads)
+    b = RankView(new, num_layers, num_kv_heads)
+    cuts = sorted(
+        set(range(0, num_kv_heads, a.heads_per_rank))
+        | set(range(0, num_kv_heads, b.heads_per_rank))
+        | {num_kv_heads}
+    )
+    out: list[Slice] = []
+    for layer in range(num_layers):
+        for lo, hi in zip(cuts, cuts[1:]):
+            out.append(Slice(layer, lo, hi, a.owner(layer, lo), b.owner(layer, lo)))
+    return out
+
+
+def slice_bytes(s: Slice, num_blocks: int, bytes_per_block_head: int) -> int:
+    return s.heads * num_blocks * bytes_per_block_head
+
+
+def plan_bytes(plan: list[Slice], num_blocks: int, bytes_per_block_head: int) -> dict[str, int]:
+    """Bytes moved between ranks (``remote``) and copied within a rank (``local``)."""
+    remote = sum(slice_bytes(s, num_blocks, bytes_per_block_head) for s in plan if not s.local)
+    local = sum(slice_bytes(s, num_blocks, bytes_per_block_head) for s in plan if s.local)
+    return {"remote": remote, "local": local}
+
+
+def layer_bytes(num_kv_heads: int, num_blocks: int, bytes_per_block_head: int) -> int:
+    """One whole layer's KV (all heads) for ``num_blocks`` blocks."""
+    return num_kv_heads * num_blocks * bytes_per_block_head
