@@ -94,6 +94,14 @@ def migration_plan(old: Topology, new: Topology, num_layers: int, num_kv_heads: 
     return out
 
 
+def layer_order(old: Topology, new: Topology, num_layers: int) -> list[int]:
+    """The order layers migrate in: interleaved across pipeline stages so each rank alternates
+    between layers it gains and layers it releases — peak extra memory stays about one per-rank
+    layer instead of accumulating several new layers before the old ones are released."""
+    g = min(num_layers // old.pp, num_layers // new.pp)
+    return sorted(range(num_layers), key=lambda ly: (ly % g, ly))
+
+
 def slice_bytes(s: Slice, num_blocks: int, bytes_per_block_head: int) -> int:
     return s.heads * num_blocks * bytes_per_block_head
 

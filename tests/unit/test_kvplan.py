@@ -50,3 +50,12 @@ def test_identity_plan_is_all_local():
 def test_rejects_uneven_split():
     with pytest.raises(ValueError):
         migration_plan(Topology(3, 1), Topology(1, 1), L, H)
+
+
+def test_layer_order_interleaves_stages():
+    from remp.kvplan import layer_order
+
+    assert layer_order(Topology(2, 1), Topology(1, 2), 4) == [0, 2, 1, 3]
+    assert layer_order(Topology(1, 2), Topology(2, 1), 4) == [0, 2, 1, 3]
+    assert layer_order(Topology(4, 1), Topology(1, 4), 4) == [0, 1, 2, 3]
+    assert sorted(layer_order(Topology(2, 2), Topology(1, 4), 8)) == list(range(8))
