@@ -14,15 +14,25 @@ import shutil
 import signal
 import socket
 import tempfile
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import remp
 from remp import logs
+from remp.errors import FailedPrecondition, InvalidArgument
 from remp.grpc_util import make_server, set_serving
-from remp.topology import Topology
+from remp.topology import Topology, format_topologies
+from remp.transaction import Phase, fault_injectable_phases
 
 from node_agent.config import ResolvedAgentConfig
+from node_agent.switch import SwitchEvent, SwitchRecord, run_switch
+from node_agent.weight_store import WeightStore
+
+MAX_RECORDS = 256
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 SERVICE_NAME = "remp.node_agent.v1.NodeAgent"
 log = logs.get_logger("remp.node_agent")
@@ -55,11 +65,99 @@ class NodeAgent:
         self.http_address = http_address
         self._vllm_version = engine_plugin.vllm_version()
         self.engine: engine_plugin.EngineHandle | None = None
+        self.records: OrderedDict[str, SwitchRecord] = OrderedDict()
+        self.current: SwitchRecord | None = None
+        self.last_epoch = 0
+        self.block_size = 0
+
+    # ------------------------------------------------------------------ switches
+
+    def _check_target(self, target: Topology) -> None:
+        cands = self.cfg.candidates
+        if target not in cands:
+            raise InvalidArgument(
+                f"target {target} is not a candidate topology of node {self.cfg.settings.node} "
+                f"(valid targets: {format_topologies(cands)})")
+        if target.world_size != self.topology.world_size:
+            same = [t for t in cands if t.world_size == self.topology.world_size]
+            raise InvalidArgument(
+                f"target {target} changes the world size ({self.topology.world_size} → "
+                f"{target.world_size} workers), not supported yet "
+                f"(valid targets: {format_topologies(same)})")
+
+    def get_switch(self, switch_id: str) -> SwitchRecord | None:
+        return self.records.get(switch_id)
+
+    async def execute_switch(self, target: Topology, switch_id: str = "", reason: str = "",
+                             epoch: int = 0, overlap: bool = True,
+                             fail_at: Phase = Phase.UNSPECIFIED) -> AsyncIterator[SwitchEvent]:
+        """Validate, then run the switch in a background task (a client that goes away does not
+        cancel it) and stream its events; the last event carries the record."""
+        if fail_at != Phase.UNSPECIFIED:
+            if not self.cfg.settings.enable_fault_injection:
+                raise InvalidArgument("fail_at_phase needs the agent's fault injection setting "
+                                      "(REMP_AGENT_ENABLE_FAULT_INJECTION=1, tests only)")
+            if fail_at not in fault_injectable_phases():
+                raise InvalidArgument(f"cannot inject a fault in {fail_at.name} (injectable: "
+                                      + ", ".join(p.name for p in fault_injectable_phases()) + ")")
+        if switch_id and switch_id in self.records and self.records[switch_id].outcome != "running":
+            rec = self.records[switch_id]
+            yield SwitchEvent(switch_id, rec.phase, rec.total_s, "already done", rec)
+            return
+        if self.current is not None:
+            raise FailedPrecondition(f"switch {self.current.switch_id} is running "
+                                     f"({self.current.from_topology} → {self.current.to_topology})")
+        if self.status != "serving":
+            raise FailedPrecondition(f"engine is {self.status}, not serving")
+        if epoch and epoch < self.last_epoch:
+            raise FailedPrecondition(f"stale epoch {epoch}: this node already saw {self.last_epoch}")
+        self._check_target(target)
+        self.last_epoch = max(self.last_epoch, epoch)
+        sid = switch_id or uuid.uuid4().hex
+        rec = SwitchRecord(sid, self.cfg.settings.node, self.topology, target, reason=reason,
+                           epoch=epoch)
+        if target == self.topology:
+            rec.outcome, rec.phase = "noop", Phase.SERVING_OLD
+            self._remember(rec)
+            yield SwitchEvent(sid, rec.phase, 0.0, "target is the current topology", rec)
+            return
+        queue: asyncio.Queue[SwitchEvent] = asyncio.Queue()
+        self.current, self.status = rec, "switching"
+        self._remember(rec)
+
+        async def emit(ev: SwitchEvent) -> None:
+            await queue.put(ev)
+
+        async def body() -> None:
+            try:
+                shape = self.cfg.model.shape
+                per_head = self.block_size * 2 * shape.head_size * DTYPE_BYTES.get(self.cfg.dtype, 4)
+                await run_switch(self.engine, rec, overlap=overlap,
+                                 fault=fail_at.name if fail_at else "", emit=emit,
+                                 model_shape=shape, kv_block_bytes_per_head=per_head)
+                if rec.outcome == "succeeded":
+                    self.topology = target
+            finally:
+                self.current = None
+                self.status = "dead" if rec.outcome == "failed" else "serving"
+
+        task = asyncio.create_task(body())
+        while True:
+            ev = await queue.get()
+            yield ev
+            if ev.record is not None:
+                break
+        await task
+
+    def _remember(self, rec: SwitchRecord) -> None:
+        self.records[rec.switch_id] = rec
+        while len(self.records) > MAX_RECORDS:
+            self.records.popitem(last=False)
 
     async def snapshot(self) -> AgentSnapshot:
         workers: list[dict] = []
         engine: dict | None = None
-        if self.status == "serving" and self.engine is not None:
+        if self.status in ("serving", "switching") and self.engine is not None and not self.current:
             try:
                 workers, engine = await asyncio.wait_for(
                     asyncio.gather(self.engine.worker_info(), self.engine.engine_info()), timeout=10
@@ -75,6 +173,7 @@ class NodeAgent:
             agent_version=remp.__version__,
             workers=sorted(workers, key=lambda w: w["rank"]),
             engine=engine,
+            current_switch_id=self.current.switch_id if self.current else "",
         )
 
 
@@ -144,6 +243,7 @@ async def run(cfg: ResolvedAgentConfig) -> int:
     )
     agent.engine = handle
     http_task: asyncio.Task | None = None
+    store = None
     try:
         start = asyncio.create_task(handle.start())
         stop_wait = asyncio.create_task(stop.wait())
@@ -154,6 +254,14 @@ async def run(cfg: ResolvedAgentConfig) -> int:
             return 0
         stop_wait.cancel()
         start.result()  # engine start failure propagates
+        store = WeightStore.create(Path(cfg.model.path), Path(s.weight_store_root),
+                                   f"remp-{s.node}-{os.getpid()}")
+        setup = await handle.setup_switching([(t.tp, t.pp) for t in cfg.candidates],
+                                             str(store.path))
+        agent.block_size = (await handle.engine_info())["block_size"]
+        log.info("agent.switching_ready", store=str(store.path), store_bytes=store.nbytes,
+                 topologies=setup[0]["topologies"],
+                 seconds=round(max(w["seconds"] for w in setup), 3))
         if s.warm_up:
             log.info("agent.warmed_up", seconds=round(await handle.warm_up(), 2))
         http_task = asyncio.create_task(handle.serve_http(http_sock))
@@ -190,6 +298,8 @@ async def run(cfg: ResolvedAgentConfig) -> int:
         http_sock.close()
         await server.stop(grace=2)
         await loop.run_in_executor(None, handle.shutdown)
+        if store is not None:
+            store.close()
         if own_state_dir:
             shutil.rmtree(state_dir, ignore_errors=True)
         log.info("agent.exit", rc=rc)

@@ -6,8 +6,21 @@ from remp.common.v1 import types_pb2
 from remp.node_agent.v1 import node_agent_pb2
 from remp.topology import Topology
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from remp.transaction import Phase
+
 from node_agent.agent import AgentSnapshot
 from node_agent.config import HostFacts, ModelFacts
+from node_agent.switch import SwitchEvent, SwitchRecord
+
+OUTCOME = {
+    "running": types_pb2.SWITCH_OUTCOME_RUNNING,
+    "succeeded": types_pb2.SWITCH_OUTCOME_SUCCEEDED,
+    "rolled_back": types_pb2.SWITCH_OUTCOME_ROLLED_BACK,
+    "failed": types_pb2.SWITCH_OUTCOME_FAILED,
+    "noop": types_pb2.SWITCH_OUTCOME_NOOP,
+}
 
 ENGINE_STATUS = {
     "starting": types_pb2.ENGINE_STATUS_STARTING,
@@ -84,3 +97,54 @@ def engine_info_to_proto(e: dict) -> node_agent_pb2.EngineInfo:
         num_blocks=e["num_blocks"], free_blocks=e["free_blocks"], block_size=e["block_size"],
         running=e["running"], waiting=e["waiting"], engine_core_pid=e["pid"],
     )
+
+
+def _ts(wall: float) -> Timestamp | None:
+    if not wall:
+        return None
+    t = Timestamp()
+    t.FromNanoseconds(int(wall * 1e9))
+    return t
+
+
+def record_to_proto(r: SwitchRecord) -> types_pb2.SwitchRecord:
+    return types_pb2.SwitchRecord(
+        switch_id=r.switch_id,
+        node=r.node,
+        from_topology=topology_to_proto(r.from_topology),
+        to_topology=topology_to_proto(r.to_topology),
+        outcome=OUTCOME[r.outcome],
+        phase=int(r.phase),
+        phase_timings=[types_pb2.PhaseTiming(phase=int(p), seconds=s, started_at=_ts(t))
+                       for p, t, s in r.timings],
+        kv_bytes_moved=r.kv_bytes_moved,
+        weight_bytes_loaded=r.weight_bytes_loaded,
+        peak_extra_mem_bytes=r.peak_extra_mem_bytes,
+        layer_kv_bytes=r.layer_kv_bytes,
+        requests_held=r.requests_held,
+        requests_preempted=r.requests_preempted,
+        requests_in_flight=r.requests_in_flight,
+        downtime_seconds=r.downtime_s,
+        total_seconds=r.total_s,
+        error=(types_pb2.Error(code=r.error[0], message=r.error[1], phase=int(r.error[2]),
+                               retryable=r.outcome == "rolled_back") if r.error else None),
+        started_at=_ts(r.started_wall),
+        finished_at=_ts(r.finished_wall),
+        reason=r.reason,
+        epoch=r.epoch,
+        overlapped=r.overlapped,
+    )
+
+
+def event_to_proto(e: SwitchEvent) -> node_agent_pb2.SwitchEvent:
+    return node_agent_pb2.SwitchEvent(
+        switch_id=e.switch_id,
+        phase=int(e.phase),
+        elapsed_seconds=e.elapsed_s,
+        detail=e.detail,
+        record=record_to_proto(e.record) if e.record else None,
+    )
+
+
+def phase_from_proto(p: int) -> Phase:
+    return Phase(p)

@@ -94,13 +94,15 @@ def migrate_kv(
     layers: list[int] | None = None,
     fail_after_layers: int | None = None,
     new_layers: dict[int, torch.Tensor] | None = None,
+    done: list[int] | None = None,
 ) -> tuple[dict[int, torch.Tensor], MigrationStats]:
     """Move KV from ``old_layers`` (global layer → tensor, this rank's old slices) into new tensors.
 
     ``old_layers`` is consumed: each old layer is removed from it once moved, so the caller's
     dict must hold the only reference for the memory to be released. ``layers`` restricts the
     work to some global layers (rollback); ``fail_after_layers`` raises :class:`InjectedFault`
-    after that many layers (test-only). On any error ``new_layers`` holds what was built so far.
+    after that many layers (test-only). On any error ``new_layers`` holds what was built so far
+    and ``done`` (appended to as layers complete) says which layers fully moved.
     Returns (new layers of this rank, stats).
     """
     stats = MigrationStats()
@@ -160,6 +162,8 @@ def migrate_kv(
         del recvs, handles
         old_layers.pop(layer, None)  # release the old layer as soon as it has moved
         del old_t, new_t
+        if done is not None:
+            done.append(layer)
         stats.layers += 1
         stats.per_layer_seconds.append(time.perf_counter() - tl)
     stats.seconds = time.perf_counter() - t0

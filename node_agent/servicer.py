@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import grpc
 
-from remp.errors import FailedPrecondition, InvalidArgument, NotFound
+from remp.errors import InvalidArgument, NotFound
 from remp.grpc_util import rpc_errors, rpc_errors_stream
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
-from remp.topology import format_topologies
 
 from node_agent import convert
 from node_agent.agent import NodeAgent
@@ -23,23 +22,25 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
 
     @rpc_errors_stream
     async def ExecuteSwitch(self, request, context):
-        target = convert.topology_from_proto(request.target)
-        if target not in self.agent.cfg.candidates:
-            raise InvalidArgument(
-                f"target {target} is not a candidate topology of node {self.agent.cfg.settings.node}"
-                f" (valid targets: {format_topologies(self.agent.cfg.candidates)})"
-            )
-        if self.agent.status != "serving":
-            raise FailedPrecondition(f"engine is {self.agent.status}, not serving")
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "in-place switching is not available in this build of the agent yet",
-        )
-        yield node_agent_pb2.SwitchEvent()  # pragma: no cover - unreachable, makes this a generator
+        if not request.HasField("target"):
+            raise InvalidArgument("target is required, e.g. {\"target\": {\"tp\": 1, \"pp\": 2}}")
+        try:
+            fail_at = convert.phase_from_proto(request.fail_at_phase)
+        except ValueError:
+            raise InvalidArgument(f"unknown phase {request.fail_at_phase}") from None
+        events = self.agent.execute_switch(
+            convert.topology_from_proto(request.target), switch_id=request.switch_id,
+            reason=request.reason, epoch=request.epoch,
+            overlap=not request.sequential_data_path, fail_at=fail_at)
+        async for ev in events:
+            yield convert.event_to_proto(ev)
 
     @rpc_errors
     async def GetSwitch(self, request, context):
-        raise NotFound(f"no switch with id {request.switch_id!r} on this node")
+        rec = self.agent.get_switch(request.switch_id)
+        if rec is None:
+            raise NotFound(f"no switch with id {request.switch_id!r} on this node")
+        return node_agent_pb2.GetSwitchResponse(record=convert.record_to_proto(rec))
 
 
 def add_to_server(servicer: NodeAgentServicer, server: grpc.aio.Server) -> None:

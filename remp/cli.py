@@ -36,6 +36,8 @@ def _agent_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--served-model-name")
     p.add_argument("--state-dir", type=Path)
+    p.add_argument("--weight-store-root", type=Path,
+                   help="where the host weight store lives (default /dev/shm)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None,
                    help="report ready without a warm-up generation")
     p.add_argument("extra_vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

