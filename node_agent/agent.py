@@ -90,13 +90,14 @@ class NodeAgent:
 
     async def execute_switch(self, target: Topology, switch_id: str = "", reason: str = "",
                              epoch: int = 0, overlap: bool = True,
-                             fail_at: Phase = Phase.UNSPECIFIED) -> AsyncIterator[SwitchEvent]:
+                             fail_at: Phase = Phase.UNSPECIFIED,
+                             skip_kv: bool = False) -> AsyncIterator[SwitchEvent]:
         """Validate, then run the switch in a background task (a client that goes away does not
         cancel it) and stream its events; the last event carries the record."""
+        if (fail_at != Phase.UNSPECIFIED or skip_kv) and not self.cfg.settings.enable_fault_injection:
+            raise InvalidArgument("fail_at_phase / test_skip_kv_migration need the agent's fault "
+                                  "injection setting (REMP_AGENT_ENABLE_FAULT_INJECTION=1, tests only)")
         if fail_at != Phase.UNSPECIFIED:
-            if not self.cfg.settings.enable_fault_injection:
-                raise InvalidArgument("fail_at_phase needs the agent's fault injection setting "
-                                      "(REMP_AGENT_ENABLE_FAULT_INJECTION=1, tests only)")
             if fail_at not in fault_injectable_phases():
                 raise InvalidArgument(f"cannot inject a fault in {fail_at.name} (injectable: "
                                       + ", ".join(p.name for p in fault_injectable_phases()) + ")")
@@ -132,8 +133,8 @@ class NodeAgent:
             try:
                 shape = self.cfg.model.shape
                 per_head = self.block_size * 2 * shape.head_size * DTYPE_BYTES.get(self.cfg.dtype, 4)
-                await run_switch(self.engine, rec, overlap=overlap,
-                                 fault=fail_at.name if fail_at else "", emit=emit,
+                fault = "SKIP_KV" if skip_kv else (fail_at.name if fail_at else "")
+                await run_switch(self.engine, rec, overlap=overlap, fault=fault, emit=emit,
                                  model_shape=shape, kv_block_bytes_per_head=per_head)
                 if rec.outcome == "succeeded":
                     self.topology = target

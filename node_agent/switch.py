@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from remp import logs
 from remp.kvplan import layer_bytes
 from remp.topology import Topology
-from remp.transaction import Phase, SwitchMachine
+from remp.transaction import DATA_PATH, Phase, SwitchMachine
 
 log = logs.get_logger("remp.node_agent.switch")
 PHASE_TIMEOUT_S = 300.0
@@ -141,6 +141,8 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         record.outcome = "succeeded"
     except Exception as exc:  # noqa: BLE001 - every failure before SERVING_NEW rolls back
         failed_at = record.phase
+        if failed_at in DATA_PATH:  # both run at once: the worker says which one failed
+            failed_at = Phase.MIGRATE_KV if "[MIGRATE_KV]" in str(exc) else Phase.RELOAD_SHARDS
         log.warning("switch.failed", switch_id=record.switch_id, phase=failed_at.name,
                     error=f"{type(exc).__name__}: {exc}")
         record.error = (_code(exc), f"{type(exc).__name__}: {exc}"[:500], failed_at)

@@ -158,3 +158,39 @@ def complete(http: str, prompt: str, max_tokens: int = 12, **kw) -> dict:
         "ignore_eos": True, **kw})
     r.raise_for_status()
     return r.json()
+
+
+# ----------------------------------------------------------------------------- switching helpers
+
+def prompt(i: int, n: int = 150) -> str:
+    return " ".join(f"t{(7 * i + 13 * j) % 2000 + 3}" for j in range(n + 3 * i))
+
+
+async def stream_completion(client, http: str, text: str, max_tokens: int, progress=None) -> str:
+    """Stream one greedy completion; ``progress`` (a list) gets a token count after each chunk."""
+    out = []
+    async with client.stream("POST", f"{http}/v1/completions", json={
+            "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:])["choices"][0]["text"])
+                if progress is not None:
+                    progress.append(len(out))
+    return "".join(out)
+
+
+async def execute_switch(grpc_addr: str, tp: int, pp: int, **kw):
+    """Run ExecuteSwitch; returns (phase names in order, final record)."""
+    from remp.common.v1 import types_pb2
+
+    phases, record = [], None
+    async with grpc.aio.insecure_channel(grpc_addr) as ch:
+        stub = node_agent_pb2_grpc.NodeAgentStub(ch)
+        req = node_agent_pb2.ExecuteSwitchRequest(target=types_pb2.Topology(tp=tp, pp=pp), **kw)
+        async for ev in stub.ExecuteSwitch(req, timeout=600):
+            phases.append(types_pb2.Phase.Name(ev.phase))
+            if ev.HasField("record"):
+                record = ev.record
+    return phases, record

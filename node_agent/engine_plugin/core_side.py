@@ -21,6 +21,20 @@ LOADER_STATS: dict[str, int] = {"calls": 0, "bytes": 0}
 # --------------------------------------------------------------------------- engine-core utilities
 
 
+class WorkerStepFailed(RuntimeError):
+    pass
+
+
+def _rpc(self, method: str, *args) -> list:
+    """collective_rpc of a ``remp_*`` worker step; raises once every rank has answered if any
+    rank reported an error (see worker_side._reported)."""
+    replies = self.collective_rpc(method, args=args)
+    errors = [r for r in replies if isinstance(r, dict) and "error" in r]
+    if errors:
+        raise WorkerStepFailed("; ".join(f"rank {r['rank']}: {r['error']}" for r in errors))
+    return replies
+
+
 def _remp_engine_info(self) -> dict:
     pc = self.vllm_config.parallel_config
     sched = self.scheduler
@@ -70,18 +84,18 @@ def _remp_sw_begin(self, switch_id: str, tp: int, pp: int, freeze_wall: float, f
         "running": {r.request_id for r in sched.running},
         "committed": False,
     }
-    res = self.collective_rpc("remp_sw_prepare", args=(switch_id, tp, pp, fault))
+    res = _rpc(self, "remp_sw_prepare", switch_id, tp, pp, fault)
     return {"running": len(sched.running), "waiting": len(sched.waiting), "workers": res}
 
 
 def _remp_sw_activate(self, tp: int, pp: int, fault: str) -> list:
-    return self.collective_rpc("remp_sw_activate", args=(tp, pp, fault))
+    return _rpc(self, "remp_sw_activate", tp, pp, fault)
 
 
 def _remp_sw_data_path(self, overlap: bool, fault: str) -> dict:
     ids = _live_block_ids(self)
     pool = self.scheduler.kv_cache_manager.block_pool
-    res = self.collective_rpc("remp_sw_data_path", args=(ids, overlap, fault))
+    res = _rpc(self, "remp_sw_data_path", ids, overlap, fault)
     return {"live_blocks": len(ids), "num_blocks": pool.num_gpu_blocks, "workers": res}
 
 
@@ -101,7 +115,7 @@ def _remp_sw_rebind(self, fault: str) -> dict:
     """REBINDING: workers take the migrated KV and in-flight requests; engine core follows."""
     sw = self._remp_sw
     tokens = {rid: list(r.output_token_ids) for rid, r in self.scheduler.requests.items()}
-    res = self.collective_rpc("remp_sw_rebind", args=(tokens, fault))
+    res = _rpc(self, "remp_sw_rebind", tokens, fault)
     _apply_topology(self, *sw["to"])
     sw["committed"] = True
     running_after = {r.request_id for r in self.scheduler.running}
@@ -132,7 +146,7 @@ def _watch_first_token(self) -> None:
 
 
 def _remp_sw_commit(self) -> list:
-    return self.collective_rpc("remp_sw_commit")
+    return _rpc(self, "remp_sw_commit")
 
 
 def _remp_sw_rollback(self) -> dict:
@@ -142,7 +156,7 @@ def _remp_sw_rollback(self) -> dict:
     common = sorted(set.intersection(*(set(m) for m in moved))) if moved else []
     if any(set(m) != set(common) for m in moved):
         raise RuntimeError(f"ranks disagree on migrated layers: {moved}")
-    res = self.collective_rpc("remp_sw_rollback", args=(common,))
+    res = _rpc(self, "remp_sw_rollback", common)
     _apply_topology(self, *sw["from"])
     sw["committed"] = False
     sw["held"] = len([r for r in self.scheduler.waiting if r.arrival_time >= sw["freeze_wall"]])
@@ -159,7 +173,7 @@ def _remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> lis
     self.reset_prefix_cache()
     if self.scheduler.has_requests() or _live_block_ids(self):
         raise RuntimeError("remp set-up needs an idle engine with an empty prefix cache")
-    return self.collective_rpc("remp_setup", args=(candidates, store_path))
+    return _rpc(self, "remp_setup", candidates, store_path)
 
 
 UTILITIES = {

@@ -96,6 +96,37 @@ def _alloc_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
+def _reported(fn):
+    """Never let a switch step raise inside the worker: vLLM's executor stops reading replies at
+    the first failing rank and the others' replies would answer the *next* collective call. The
+    error travels in the reply instead; the engine core raises once every rank has answered."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        try:
+            return fn(self, *args)
+        except Exception as exc:  # noqa: BLE001 - reported to the engine core, which raises
+            import traceback
+
+            return {"rank": self.rank, "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(limit=8)}
+
+    return wrapper
+
+
+def _release_memory() -> None:
+    """Collect the old model's objects and hand freed heap pages back to the OS: rebuilding a
+    model per switch otherwise fragments glibc's heap and RSS creeps up switch after switch."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _maybe_fault(fault: str, phase: str) -> None:
     if fault == phase:
         raise InjectedFault(f"injected fault in {phase}")
@@ -151,6 +182,7 @@ class RempWorkerExtension:
 
     # ------------------------------------------------------------------ set-up (once)
 
+    @_reported
     def remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> dict:
         """Once, at engine start, identically on every rank:
 
@@ -208,6 +240,7 @@ class RempWorkerExtension:
 
     # ------------------------------------------------------------------ the switch steps
 
+    @_reported
     def remp_sw_prepare(self, switch_id: str, tp: int, pp: int, fault: str) -> dict:
         """PREPARING_WORKERS: detach the old runner's KV into a per-layer dict we own."""
         st = self._remp
@@ -226,6 +259,7 @@ class RempWorkerExtension:
         _maybe_fault(fault, "PREPARING_WORKERS")
         return {"rank": self.rank, "old_layers": sorted(st.old_layers)}
 
+    @_reported
     def remp_sw_activate(self, tp: int, pp: int, fault: str) -> dict:
         """MPU_APPLIED: swap in the prebuilt groups of the target (O(1))."""
         t0 = time.perf_counter()
@@ -233,6 +267,7 @@ class RempWorkerExtension:
         _maybe_fault(fault, "MPU_APPLIED")
         return {"rank": self.rank, "seconds": time.perf_counter() - t0}
 
+    @_reported
     def remp_sw_data_path(self, block_ids: list[int], overlap: bool, fault: str) -> dict:
         """MIGRATE_KV ‖ RELOAD_SHARDS: move this rank's KV slices worker-to-worker, layer by layer,
         while the new weight shard loads from the shared-memory store (threads; sequential when
@@ -256,12 +291,13 @@ class RempWorkerExtension:
             t = time.perf_counter()
             try:
                 fail_after = st.num_layers // 2 if fault == "MIGRATE_KV" else None
-                _, stats = migrate_kv(self.rank, st.old_layers, a, b, plan, ids, alloc,
+                move_ids = ids[:0] if fault == "SKIP_KV" else ids  # test-only control
+                _, stats = migrate_kv(self.rank, st.old_layers, a, b, plan, move_ids, alloc,
                                       TorchDistTransport(st.kv_group), fail_after_layers=fail_after,
                                       new_layers=st.new_layers, done=st.moved)
                 result["kv"] = stats.as_dict()
             except BaseException as exc:  # noqa: BLE001 - reported to the engine core
-                errors.append(exc)
+                errors.append(RuntimeError(f"[MIGRATE_KV] {type(exc).__name__}: {exc}"))
             finally:
                 result["kv_seconds"] = time.perf_counter() - t
                 result["kv_window"] = (t, time.perf_counter())
@@ -273,7 +309,7 @@ class RempWorkerExtension:
                 result["weight_bytes"] = nbytes
                 _maybe_fault(fault, "RELOAD_SHARDS")
             except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+                errors.append(RuntimeError(f"[RELOAD_SHARDS] {type(exc).__name__}: {exc}"))
             finally:
                 result["reload_seconds"] = time.perf_counter() - t
                 result["reload_window"] = (t, time.perf_counter())
@@ -295,6 +331,7 @@ class RempWorkerExtension:
             raise errors[0]
         return result
 
+    @_reported
     def remp_sw_rebind(self, out_tokens: dict[str, list[int]], fault: str) -> dict:
         """REBINDING: give the new runner the migrated KV and the in-flight requests."""
         from vllm.config import set_current_vllm_config
@@ -328,17 +365,19 @@ class RempWorkerExtension:
         _maybe_fault(fault, "REBINDING")
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "requests": len(reqs)}
 
+    @_reported
     def remp_sw_commit(self) -> dict:
         """SERVING_NEW: drop what only rollback needed (old runner, old model)."""
         st = self._remp
         st.old_runner, st.old_ctx, st.old_layers, st.new_runner = None, {}, {}, None
         st.new_layers, st.moved = {}, []
-        gc.collect()
+        _release_memory()
         return {"rank": self.rank}
 
     def remp_sw_moved(self) -> list[int]:
         return list(self._remp.moved)
 
+    @_reported
     def remp_sw_rollback(self, moved_everywhere: list[int]) -> dict:
         """Back to the old topology with the KV intact: reverse-migrate the layers already
         moved, reinstall the old groups, runner and forward context."""
@@ -349,7 +388,9 @@ class RempWorkerExtension:
             a = RankView(st.new_topo, st.num_layers, st.num_kv_heads)
             b = RankView(st.old_topo, st.num_layers, st.num_kv_heads)
             back = migration_plan(st.new_topo, st.old_topo, st.num_layers, st.num_kv_heads)
-            proto = next(iter(st.old_layers.values()), None) or next(iter(st.new_layers.values()))
+            proto = next(iter(st.old_layers.values()), None)
+            if proto is None:
+                proto = next(iter(st.new_layers.values()))
 
             def alloc(_layer):
                 return _alloc_zeroed((proto.shape[0], b.heads_per_rank, *proto.shape[2:]),
@@ -368,7 +409,7 @@ class RempWorkerExtension:
         self.model_runner = st.old_runner
         _bind(st.old_runner, ctx, {st.names_old[i]: t for i, t in st.old_layers.items()})
         st.old_runner, st.old_ctx, st.old_layers, st.moved = None, {}, {}, []
-        gc.collect()
+        _release_memory()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0,
                 "restored_layers": sorted(moved_everywhere)}
 

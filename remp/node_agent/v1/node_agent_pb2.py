@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from remp.common.v1 import types_pb2 as remp_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#remp/node_agent/v1/node_agent.proto\x12\x12remp.node_agent.v1\x1a\x1aremp/common/v1/types.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xd2\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04host\x18\x02 \x01(\x0b\x32\x19.remp.common.v1.HostFacts\x12)\n\x05model\x18\x03 \x01(\x0b\x32\x1a.remp.common.v1.ModelFacts\x12*\n\x08topology\x18\x04 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12,\n\ncandidates\x18\x05 \x03(\x0b\x32\x18.remp.common.v1.Topology\x12\x33\n\rengine_status\x18\x06 \x01(\x0e\x32\x1c.remp.common.v1.EngineStatus\x12\x14\n\x0cvllm_version\x18\x07 \x01(\t\x12\x15\n\ragent_version\x18\x08 \x01(\t\x12\x14\n\x0chttp_address\x18\t \x01(\t\x12+\n\x07workers\x18\n \x03(\x0b\x32\x1a.remp.common.v1.WorkerInfo\x12\x19\n\x11\x63urrent_switch_id\x18\x0b \x01(\t\x12\x12\n\nworld_size\x18\x0c \x01(\r\x12.\n\x06\x65ngine\x18\r \x01(\x0b\x32\x1e.remp.node_agent.v1.EngineInfo\"\x84\x01\n\nEngineInfo\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x17\n\x0f\x65ngine_core_pid\x18\x06 \x01(\x03\"\xbe\x01\n\x14\x45xecuteSwitchRequest\x12(\n\x06target\x18\x01 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x11\n\tswitch_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1c\n\x14sequential_data_path\x18\x05 \x01(\x08\x12,\n\rfail_at_phase\x18\x06 \x01(\x0e\x32\x15.remp.common.v1.Phase\"\xc3\x01\n\x0bSwitchEvent\x12\x11\n\tswitch_id\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.remp.common.v1.Phase\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12,\n\x06record\x18\x04 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.remp.common.v1.Error\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"%\n\x10GetSwitchRequest\x12\x11\n\tswitch_id\x18\x01 \x01(\t\"A\n\x11GetSwitchResponse\x12,\n\x06record\x18\x01 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord2\x9a\x02\n\tNodeAgent\x12U\n\x08\x44\x65scribe\x12#.remp.node_agent.v1.DescribeRequest\x1a$.remp.node_agent.v1.DescribeResponse\x12\\\n\rExecuteSwitch\x12(.remp.node_agent.v1.ExecuteSwitchRequest\x1a\x1f.remp.node_agent.v1.SwitchEvent0\x01\x12X\n\tGetSwitch\x12$.remp.node_agent.v1.GetSwitchRequest\x1a%.remp.node_agent.v1.GetSwitchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#remp/node_agent/v1/node_agent.proto\x12\x12remp.node_agent.v1\x1a\x1aremp/common/v1/types.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xd2\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04host\x18\x02 \x01(\x0b\x32\x19.remp.common.v1.HostFacts\x12)\n\x05model\x18\x03 \x01(\x0b\x32\x1a.remp.common.v1.ModelFacts\x12*\n\x08topology\x18\x04 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12,\n\ncandidates\x18\x05 \x03(\x0b\x32\x18.remp.common.v1.Topology\x12\x33\n\rengine_status\x18\x06 \x01(\x0e\x32\x1c.remp.common.v1.EngineStatus\x12\x14\n\x0cvllm_version\x18\x07 \x01(\t\x12\x15\n\ragent_version\x18\x08 \x01(\t\x12\x14\n\x0chttp_address\x18\t \x01(\t\x12+\n\x07workers\x18\n \x03(\x0b\x32\x1a.remp.common.v1.WorkerInfo\x12\x19\n\x11\x63urrent_switch_id\x18\x0b \x01(\t\x12\x12\n\nworld_size\x18\x0c \x01(\r\x12.\n\x06\x65ngine\x18\r \x01(\x0b\x32\x1e.remp.node_agent.v1.EngineInfo\"\x84\x01\n\nEngineInfo\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x17\n\x0f\x65ngine_core_pid\x18\x06 \x01(\x03\"\xde\x01\n\x14\x45xecuteSwitchRequest\x12(\n\x06target\x18\x01 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x11\n\tswitch_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1c\n\x14sequential_data_path\x18\x05 \x01(\x08\x12,\n\rfail_at_phase\x18\x06 \x01(\x0e\x32\x15.remp.common.v1.Phase\x12\x1e\n\x16test_skip_kv_migration\x18\x07 \x01(\x08\"\xc3\x01\n\x0bSwitchEvent\x12\x11\n\tswitch_id\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.remp.common.v1.Phase\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12,\n\x06record\x18\x04 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.remp.common.v1.Error\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"%\n\x10GetSwitchRequest\x12\x11\n\tswitch_id\x18\x01 \x01(\t\"A\n\x11GetSwitchResponse\x12,\n\x06record\x18\x01 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord2\x9a\x02\n\tNodeAgent\x12U\n\x08\x44\x65scribe\x12#.remp.node_agent.v1.DescribeRequest\x1a$.remp.node_agent.v1.DescribeResponse\x12\\\n\rExecuteSwitch\x12(.remp.node_agent.v1.ExecuteSwitchRequest\x1a\x1f.remp.node_agent.v1.SwitchEvent0\x01\x12X\n\tGetSwitch\x12$.remp.node_agent.v1.GetSwitchRequest\x1a%.remp.node_agent.v1.GetSwitchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEINFO']._serialized_start=576
   _globals['_ENGINEINFO']._serialized_end=708
   _globals['_EXECUTESWITCHREQUEST']._serialized_start=711
-  _globals['_EXECUTESWITCHREQUEST']._serialized_end=901
-  _globals['_SWITCHEVENT']._serialized_start=904
-  _globals['_SWITCHEVENT']._serialized_end=1099
-  _globals['_GETSWITCHREQUEST']._serialized_start=1101
-  _globals['_GETSWITCHREQUEST']._serialized_end=1138
-  _globals['_GETSWITCHRESPONSE']._serialized_start=1140
-  _globals['_GETSWITCHRESPONSE']._serialized_end=1205
-  _globals['_NODEAGENT']._serialized_start=1208
-  _globals['_NODEAGENT']._serialized_end=1490
+  _globals['_EXECUTESWITCHREQUEST']._serialized_end=933
+  _globals['_SWITCHEVENT']._serialized_start=936
+  _globals['_SWITCHEVENT']._serialized_end=1131
+  _globals['_GETSWITCHREQUEST']._serialized_start=1133
+  _globals['_GETSWITCHREQUEST']._serialized_end=1170
+  _globals['_GETSWITCHRESPONSE']._serialized_start=1172
+  _globals['_GETSWITCHRESPONSE']._serialized_end=1237
+  _globals['_NODEAGENT']._serialized_start=1240
+  _globals['_NODEAGENT']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)
