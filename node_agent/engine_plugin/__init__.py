@@ -118,10 +118,10 @@ def _resolve(module: str, attr: str) -> Any:
 # --------------------------------------------------------------------------- front end
 
 
-def cpu_backend_env(cpu_binds: list[str], kv_cache_gib: float, state_dir: str) -> dict[str, str]:
+def cpu_backend_env(cpu_binds: list[str], kv_cache_gib: int, state_dir: str) -> dict[str, str]:
     """Environment the vLLM CPU backend needs (set before vLLM is imported)."""
     return {
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(cpu_binds) if cpu_binds else "auto",
         **common_env(state_dir),
     }
