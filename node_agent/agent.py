@@ -105,6 +105,8 @@ class NodeAgent:
             rec = self.records[switch_id]
             yield SwitchEvent(switch_id, rec.phase, rec.total_s, "already done", rec)
             return
+        if not self.cfg.settings.switching:
+            raise FailedPrecondition("in-place switching is disabled on this agent (--no-switching)")
         if self.current is not None:
             raise FailedPrecondition(f"switch {self.current.switch_id} is running "
                                      f"({self.current.from_topology} → {self.current.to_topology})")
@@ -255,14 +257,15 @@ async def run(cfg: ResolvedAgentConfig) -> int:
             return 0
         stop_wait.cancel()
         start.result()  # engine start failure propagates
-        store = WeightStore.create(Path(cfg.model.path), Path(s.weight_store_root),
-                                   f"remp-{s.node}-{os.getpid()}")
-        setup = await handle.setup_switching([(t.tp, t.pp) for t in cfg.candidates],
-                                             str(store.path))
+        if s.switching:
+            store = WeightStore.create(Path(cfg.model.path), Path(s.weight_store_root),
+                                       f"remp-{s.node}-{os.getpid()}")
+            setup = await handle.setup_switching([(t.tp, t.pp) for t in cfg.candidates],
+                                                 str(store.path))
+            log.info("agent.switching_ready", store=str(store.path), store_bytes=store.nbytes,
+                     topologies=setup[0]["topologies"],
+                     seconds=round(max(w["seconds"] for w in setup), 3))
         agent.block_size = (await handle.engine_info())["block_size"]
-        log.info("agent.switching_ready", store=str(store.path), store_bytes=store.nbytes,
-                 topologies=setup[0]["topologies"],
-                 seconds=round(max(w["seconds"] for w in setup), 3))
         if s.warm_up:
             log.info("agent.warmed_up", seconds=round(await handle.warm_up(), 2))
         http_task = asyncio.create_task(handle.serve_http(http_sock))

@@ -55,6 +55,7 @@ class AgentSettings(BaseSettings):
     served_model_name: str | None = None
     state_dir: Path | None = Field(None, description="caches and sockets; default a temp dir")
     weight_store_root: Path = Field(Path("/dev/shm"), description="host shared-memory weight store")
+    switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
     enable_fault_injection: bool = Field(False, description="tests only: honour fail_at_phase")
     extra_vllm_args: list[str] = Field(default_factory=list)
 

@@ -22,13 +22,8 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def agent(tiny_model, artifacts_dir):
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
-                     node="e2e-switch")
-    import os
-    os.environ["REMP_AGENT_ENABLE_FAULT_INJECTION"] = "1"
-    try:
-        a.start().wait_ready()
-    finally:
-        del os.environ["REMP_AGENT_ENABLE_FAULT_INJECTION"]
+                     node="e2e-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
+    a.start().wait_ready()
     yield a
     rc, orphans = a.stop()
     assert rc == 0 and orphans == [], a.log_tail()

