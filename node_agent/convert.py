@@ -83,6 +83,7 @@ def describe_to_proto(d: AgentSnapshot) -> node_agent_pb2.DescribeResponse:
             types_pb2.WorkerInfo(
                 rank=w["rank"], tp_rank=w["tp_rank"], pp_rank=w["pp_rank"],
                 state=types_pb2.WORKER_STATE_ACTIVE, pid=w["pid"], rss_bytes=w["rss_bytes"],
+                kv_resident_bytes=w.get("kv_resident_bytes", 0),
             )
             for w in d.workers
         ],

@@ -107,6 +107,8 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         begin = await _call(engine.utility("remp_sw_begin", record.switch_id, tgt.tp, tgt.pp,
                                            freeze_wall, fault), "PREPARING_WORKERS")
         record.requests_in_flight = begin["running"]
+        log.info("switch.quiesced", switch_id=record.switch_id, running=begin["running"],
+                 waiting=begin["waiting"])
 
         await enter(Phase.MPU_APPLIED)
         await _call(engine.utility("remp_sw_activate", tgt.tp, tgt.pp, fault), "MPU_APPLIED")
@@ -117,6 +119,9 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         dp = await _call(engine.utility("remp_sw_data_path", overlap, fault), "data path")
         workers = dp["workers"]
         record.workers = workers
+        log.info("switch.data_path", switch_id=record.switch_id, live_blocks=dp["live_blocks"],
+                 workers=[{k: w.get(k) for k in ("rank", "kv_seconds", "reload_seconds",
+                                                 "reload_breakdown")} for w in workers])
         kv_window = (min(w["kv_window"][0] for w in workers), max(w["kv_window"][1] for w in workers))
         rl_window = (min(w["reload_window"][0] for w in workers),
                      max(w["reload_window"][1] for w in workers))

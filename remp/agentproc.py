@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -182,8 +183,9 @@ async def stream_completion(client, http: str, text: str, max_tokens: int, progr
     return "".join(out)
 
 
-async def execute_switch(grpc_addr: str, tp: int, pp: int, **kw):
-    """Run ExecuteSwitch; returns (phase names in order, final record)."""
+async def execute_switch(grpc_addr: str, tp: int, pp: int, on_event=None, **kw):
+    """Run ExecuteSwitch; returns (phase names in order, final record). ``on_event(event)`` is
+    called as each event arrives."""
     from remp.common.v1 import types_pb2
 
     phases, record = [], None
@@ -192,6 +194,8 @@ async def execute_switch(grpc_addr: str, tp: int, pp: int, **kw):
         req = node_agent_pb2.ExecuteSwitchRequest(target=types_pb2.Topology(tp=tp, pp=pp), **kw)
         async for ev in stub.ExecuteSwitch(req, timeout=600):
             phases.append(types_pb2.Phase.Name(ev.phase))
+            if on_event is not None:
+                on_event(ev)
             if ev.HasField("record"):
                 record = ev.record
     return phases, record

@@ -94,6 +94,11 @@ def _remp_sw_activate(self, tp: int, pp: int, fault: str) -> list:
 
 def _remp_sw_data_path(self, overlap: bool, fault: str) -> dict:
     ids = _live_block_ids(self)
+    if fault == "SKIP_KV":  # test-only control: the running requests' blocks are not moved
+        kvm = self.scheduler.kv_cache_manager
+        theirs = {b for r in self.scheduler.running for g in kvm.get_block_ids(r.request_id)
+                  for b in g}
+        ids, fault = [b for b in ids if b not in theirs], ""
     pool = self.scheduler.kv_cache_manager.block_pool
     res = _rpc(self, "remp_sw_data_path", ids, overlap, fault)
     return {"live_blocks": len(ids), "num_blocks": pool.num_gpu_blocks, "workers": res}

@@ -136,3 +136,10 @@ def test_bf16_serves_every_topology(tiny_model, artifacts_dir, tp, pp):
     assert all(outs)
     rc, orphans = a.stop()  # already stopped by the context manager: idempotent
     assert rc == 0 and orphans == []
+
+
+def test_fault_injection_needs_the_setting(tp2_agent):
+    r = grpcurl("-plaintext", "-d", '{"target": {"tp": 1, "pp": 2}, "fail_at_phase": "PHASE_QUIESCING"}',
+                tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
+    assert r.returncode != 0 and "InvalidArgument" in r.stderr
+    assert "fault injection setting" in r.stderr

@@ -22,7 +22,7 @@ async def _switch_under_load(agent, tp, pp, sid):
         progress = [[] for _ in PROMPTS]
         main = [asyncio.create_task(stream_completion(c, agent.http, p, MAX_TOKENS, progress[i]))
                 for i, p in enumerate(PROMPTS)]
-        while not all(pr and pr[-1] >= 4 for pr in progress):
+        while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
             await asyncio.sleep(0.005)
         _, rec = await execute_switch(agent.grpc_addr, tp, pp, switch_id=sid)
         return await asyncio.gather(*main), rec
