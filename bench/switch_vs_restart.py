@@ -30,13 +30,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from remp.agentproc import AgentProcess, execute_switch, prompt, stream_completion  # noqa: E402
+from remp.agentproc import (AgentProcess, prompt, stream_completion,  # noqa: E402
+                            switch_under_load)
 from remp.common.v1 import types_pb2  # noqa: E402
 from remp.modelgen import make_model  # noqa: E402
 
 SOURCE, TARGET = (2, 1), (1, 2)
 PROMPTS = [prompt(i, 140) for i in range(3)]
-MAX_TOKENS = 96
+MAX_TOKENS = 300
 
 
 def phase_seconds(rec) -> dict[str, float]:
@@ -49,18 +50,6 @@ def data_path_wall(rec) -> float:
     spans = [(t.started_at.ToNanoseconds() / 1e9, t.seconds) for t in rec.phase_timings
              if t.phase in (types_pb2.PHASE_MIGRATE_KV, types_pb2.PHASE_RELOAD_SHARDS)]
     return max(s + d for s, d in spans) - min(s for s, _ in spans)
-
-
-async def switch_under_load(agent, tp, pp, sid, sequential=False):
-    async with httpx.AsyncClient(timeout=600) as c:
-        progress = [[] for _ in PROMPTS]
-        main = [asyncio.create_task(stream_completion(c, agent.http, p, MAX_TOKENS, progress[i]))
-                for i, p in enumerate(PROMPTS)]
-        while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
-            await asyncio.sleep(0.005)
-        _, rec = await execute_switch(agent.grpc_addr, tp, pp, switch_id=sid,
-                                      sequential_data_path=sequential)
-        return await asyncio.gather(*main), rec
 
 
 async def reference(agent):
@@ -76,7 +65,8 @@ def measure_switches(model, logs, repeats):
         ref = asyncio.run(reference(agent))
         for i in range(repeats):
             for tgt, bucket in ((TARGET, recs), (SOURCE, None)):
-                outs, rec = asyncio.run(switch_under_load(agent, *tgt, f"b{i}-{tgt}"))
+                outs, _, _, rec = asyncio.run(switch_under_load(
+                    agent, *tgt, PROMPTS, MAX_TOKENS, switch_id=f"b{i}-{tgt}"))
                 if rec.outcome != types_pb2.SWITCH_OUTCOME_SUCCEEDED:
                     raise RuntimeError(f"switch failed: {rec.error.message}")
                 exact &= outs == ref
@@ -85,7 +75,9 @@ def measure_switches(model, logs, repeats):
                     bucket.append(rec)
         for i in range(max(3, repeats // 2)):
             for tgt, bucket in ((TARGET, seq_recs), (SOURCE, None)):
-                outs, rec = asyncio.run(switch_under_load(agent, *tgt, f"s{i}-{tgt}", True))
+                outs, _, _, rec = asyncio.run(switch_under_load(
+                    agent, *tgt, PROMPTS, MAX_TOKENS, switch_id=f"s{i}-{tgt}",
+                    sequential_data_path=True))
                 exact &= outs == ref
                 if bucket is not None:
                     bucket.append(rec)

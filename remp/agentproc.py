@@ -199,3 +199,24 @@ async def execute_switch(grpc_addr: str, tp: int, pp: int, on_event=None, **kw):
             if ev.HasField("record"):
                 record = ev.record
     return phases, record
+
+
+async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list[str],
+                            max_tokens: int, late_prompts: tuple[str, ...] = (), **kw):
+    """Stream one greedy completion per prompt; once every stream is decoding, switch to TPxPP;
+    ``late_prompts`` are sent while the switch runs (after its first event).
+    Returns (outputs, late outputs, phase names, record)."""
+    async with httpx.AsyncClient(timeout=600) as c:
+        progress: list[list[int]] = [[] for _ in prompts]
+        main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, progress[i]))
+                for i, p in enumerate(prompts)]
+        while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
+            await asyncio.sleep(0.005)
+        late: list[asyncio.Task] = []
+
+        def on_event(_ev):
+            if late_prompts and not late:
+                late.extend(asyncio.create_task(stream_completion(c, agent.http, p, 16))
+                            for p in late_prompts)
+        phases, record = await execute_switch(agent.grpc_addr, tp, pp, on_event=on_event, **kw)
+        return await asyncio.gather(*main), await asyncio.gather(*late), phases, record

@@ -2,5 +2,5 @@
 
 from remp.agentproc import (  # noqa: F401
     AGENT_SERVICE, GRPCURL, AgentProcess, complete, execute_switch, free_port, grpcurl, prompt,
-    stream_completion,
+    stream_completion, switch_under_load,
 )

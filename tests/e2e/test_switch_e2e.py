@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from remp.common.v1 import types_pb2
-from tests.helpers import AgentProcess, execute_switch, prompt, stream_completion
+from tests.helpers import (AgentProcess, execute_switch, prompt, stream_completion,
+                           switch_under_load)
 
 pytestmark = pytest.mark.e2e
 
@@ -40,28 +41,10 @@ def reference(agent):
     return asyncio.run(go())
 
 
-async def switch_under_load(agent, tp, pp, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw):
-    """Start one stream per prompt, switch once every stream is mid-decode, send LATE requests
-    while the switch runs; return (outputs, late outputs, phases, record)."""
-    async with httpx.AsyncClient(timeout=300) as c:
-        progress = [[] for _ in prompts]
-        main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, progress[i]))
-                for i, p in enumerate(prompts)]
-        while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
-            await asyncio.sleep(0.005)
-        late: list[asyncio.Task] = []
-
-        def on_event(ev):  # sent while the switch runs (after its first event)
-            if not late:
-                late.extend(asyncio.create_task(stream_completion(c, agent.http, p, 16))
-                            for p in LATE)
-        phases, record = await execute_switch(agent.grpc_addr, tp, pp, on_event=on_event,
-                                              switch_id=f"sw-{next(_ids)}", **kw)
-        return await asyncio.gather(*main), await asyncio.gather(*late), phases, record
-
-
-def run(agent, tp, pp, **kw):
-    return asyncio.run(switch_under_load(agent, tp, pp, **kw))
+def run(agent, tp, pp, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw):
+    """Switch with every prompt mid-decode and LATE requests sent during the switch."""
+    return asyncio.run(switch_under_load(agent, tp, pp, prompts, max_tokens, tuple(LATE),
+                                         switch_id=f"sw-{next(_ids)}", **kw))
 
 
 def test_switch_tp_to_pp_and_back_is_token_exact(agent, reference):

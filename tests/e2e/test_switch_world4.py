@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from remp.common.v1 import types_pb2
-from tests.helpers import AgentProcess, execute_switch, prompt, stream_completion
+from tests.helpers import AgentProcess, prompt, stream_completion, switch_under_load
 
 pytestmark = pytest.mark.e2e
 
@@ -15,17 +15,6 @@ PROMPTS = [prompt(i, 140) for i in range(2)]
 MAX_TOKENS = 160
 # A→B→C→A→C→B→A visits every ordered pair of {A, B, C} exactly once
 ROUTE = [(2, 2), (4, 1), (1, 4), (2, 2), (1, 4), (4, 1), (2, 2)]
-
-
-async def _switch_under_load(agent, tp, pp, sid):
-    async with httpx.AsyncClient(timeout=600) as c:
-        progress = [[] for _ in PROMPTS]
-        main = [asyncio.create_task(stream_completion(c, agent.http, p, MAX_TOKENS, progress[i]))
-                for i, p in enumerate(PROMPTS)]
-        while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
-            await asyncio.sleep(0.005)
-        _, rec = await execute_switch(agent.grpc_addr, tp, pp, switch_id=sid)
-        return await asyncio.gather(*main), rec
 
 
 def test_all_six_pairs_token_exact(tiny_model, artifacts_dir):
@@ -38,7 +27,8 @@ def test_all_six_pairs_token_exact(tiny_model, artifacts_dir):
         reference = asyncio.run(ref())
         pairs = []
         for i, (tp, pp) in enumerate(ROUTE[1:]):
-            outs, rec = asyncio.run(_switch_under_load(a, tp, pp, f"w4-{i}"))
+            outs, _, _, rec = asyncio.run(
+                switch_under_load(a, tp, pp, PROMPTS, MAX_TOKENS, switch_id=f"w4-{i}"))
             frm = (rec.from_topology.tp, rec.from_topology.pp)
             pairs.append((frm, (tp, pp)))
             assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED, rec.error.message
