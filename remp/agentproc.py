@@ -206,26 +206,17 @@ async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list
     """Stream one greedy completion per prompt; once every stream is decoding, switch to TPxPP;
     ``late_prompts`` are sent while the switch runs (after its first event).
     Returns (outputs, late outputs, phase names, record)."""
-    from remp.common.v1 import types_pb2
-
-    async with httpx.AsyncClient(timeout=600) as c, \
-            grpc.aio.insecure_channel(agent.grpc_addr) as ch:
-        stub = node_agent_pb2_grpc.NodeAgentStub(ch)
-        # connect first: a cold gRPC channel can take a second, long enough for streams to end
-        await stub.Describe(node_agent_pb2.DescribeRequest(), timeout=60)
+    async with httpx.AsyncClient(timeout=600) as c:
         progress: list[list[int]] = [[] for _ in prompts]
         main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, progress[i]))
                 for i, p in enumerate(prompts)]
         while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
             await asyncio.sleep(0.005)
         late: list[asyncio.Task] = []
-        phases, record = [], None
-        req = node_agent_pb2.ExecuteSwitchRequest(target=types_pb2.Topology(tp=tp, pp=pp), **kw)
-        async for ev in stub.ExecuteSwitch(req, timeout=600):
-            phases.append(types_pb2.Phase.Name(ev.phase))
+
+        def on_event(_ev):
             if late_prompts and not late:
                 late.extend(asyncio.create_task(stream_completion(c, agent.http, p, 16))
                             for p in late_prompts)
-            if ev.HasField("record"):
-                record = ev.record
+        phases, record = await execute_switch(agent.grpc_addr, tp, pp, on_event=on_event, **kw)
         return await asyncio.gather(*main), await asyncio.gather(*late), phases, record

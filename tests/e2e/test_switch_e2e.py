@@ -76,15 +76,15 @@ def test_switch_tp_to_pp_and_back_is_token_exact(agent, reference):
 
 def test_control_without_kv_migration_diverges(agent):
     # own prompts: skipping the migration leaves their (prefix-cached) blocks zeroed on purpose
-    prompts = [prompt(20 + i) for i in range(N_REQ)]
+    prompts = [prompt(20 + i, 40) for i in range(N_REQ)]
 
     async def ref():
         async with httpx.AsyncClient(timeout=300) as c:
-            return [await stream_completion(c, agent.http, p, 200) for p in prompts]
+            return [await stream_completion(c, agent.http, p, MAX_TOKENS) for p in prompts]
     reference = asyncio.run(ref())
     cur = agent.describe().topology
     target = (1, 2) if cur.pp == 1 else (2, 1)
-    outs, _, _, rec = run(agent, *target, prompts=prompts, max_tokens=200,
+    outs, _, _, rec = run(agent, *target, prompts=prompts, max_tokens=MAX_TOKENS,
                           test_skip_kv_migration=True)
     assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED
     assert rec.requests_in_flight == N_REQ
