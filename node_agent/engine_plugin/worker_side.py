@@ -142,6 +142,13 @@ def _resident_bytes(t: torch.Tensor) -> int:
     return sum(b & 1 for b in vec) * page
 
 
+def _layer_allocator(proto: torch.Tensor, heads: int):
+    """Allocator of zeroed layers shaped like ``proto`` but with ``heads`` local KV heads."""
+    def alloc(_layer: int) -> torch.Tensor:
+        return _alloc_zeroed((proto.shape[0], heads, *proto.shape[2:]), proto.dtype)
+    return alloc
+
+
 def _maybe_fault(fault: str, phase: str) -> None:
     if fault == phase:
         raise InjectedFault(f"injected fault in {phase}")
@@ -301,11 +308,7 @@ class RempWorkerExtension:
         plan = migration_plan(st.old_topo, st.new_topo, st.num_layers, st.num_kv_heads)
         ids = torch.tensor(block_ids, dtype=torch.long)
         st.block_ids = list(block_ids)
-        proto = next(iter(st.old_layers.values()))
-        shape_rest = tuple(proto.shape[2:])
-
-        def alloc(_layer):
-            return _alloc_zeroed((proto.shape[0], b.heads_per_rank, *shape_rest), proto.dtype)
+        alloc = _layer_allocator(next(iter(st.old_layers.values())), b.heads_per_rank)
 
         result: dict = {"rank": self.rank}
         errors: list[BaseException] = []
@@ -414,10 +417,7 @@ class RempWorkerExtension:
             proto = next(iter(st.old_layers.values()), None)
             if proto is None:
                 proto = next(iter(st.new_layers.values()))
-
-            def alloc(_layer):
-                return _alloc_zeroed((proto.shape[0], b.heads_per_rank, *proto.shape[2:]),
-                                     proto.dtype)
+            alloc = _layer_allocator(proto, b.heads_per_rank)
 
             ids = torch.tensor(st.block_ids, dtype=torch.long)
             moving = {ly: t for ly, t in st.new_layers.items() if ly in moved_everywhere}
