@@ -58,8 +58,10 @@ async def reference(agent):
 
 
 def measure_switches(model, logs, repeats):
+    # the fault-injection setting enables the test-only start gate that switch_under_load uses
+    # to start each switch while the engine has every request mid-decode
     agent = AgentProcess(model, tp=SOURCE[0], pp=SOURCE[1], dtype="float32", log_dir=logs,
-                         node="bench-switch")
+                         node="bench-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
     recs, seq_recs, exact, preempted = [], [], True, 0
     with agent:
         ref = asyncio.run(reference(agent))

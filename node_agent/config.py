@@ -51,6 +51,8 @@ class AgentSettings(BaseSettings):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enforce_eager: bool = True
     warm_up: bool = Field(True, description="one short generation before reporting ready")
+    warm_up_candidates: bool = Field(
+        True, description="also visit every same-world candidate topology once before ready")
     seed: int = 0
     served_model_name: str | None = None
     state_dir: Path | None = Field(None, description="caches and sockets; default a temp dir")

@@ -32,7 +32,8 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
             convert.topology_from_proto(request.target), switch_id=request.switch_id,
             reason=request.reason, epoch=request.epoch,
             overlap=not request.sequential_data_path, fail_at=fail_at,
-            skip_kv=request.test_skip_kv_migration)
+            skip_kv=request.test_skip_kv_migration,
+            start_when_running=request.test_start_when_running)
         async for ev in events:
             yield convert.event_to_proto(ev)
 

@@ -168,8 +168,10 @@ def prompt(i: int, n: int = 150) -> str:
     return " ".join(f"t{(7 * i + 13 * j) % 2000 + 3}" for j in range(n + 3 * i))
 
 
-async def stream_completion(client, http: str, text: str, max_tokens: int, progress=None) -> str:
-    """Stream one greedy completion; ``progress`` (a list) gets a token count after each chunk."""
+async def stream_completion(client, http: str, text: str, max_tokens: int, progress=None,
+                            arrivals=None) -> str:
+    """Stream one greedy completion; ``progress`` (a list) gets a token count after each chunk,
+    ``arrivals`` (a list) the monotonic time each chunk arrived."""
     out = []
     async with client.stream("POST", f"{http}/v1/completions", json={
             "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
@@ -180,6 +182,8 @@ async def stream_completion(client, http: str, text: str, max_tokens: int, progr
                 out.append(json.loads(line[6:])["choices"][0]["text"])
                 if progress is not None:
                     progress.append(len(out))
+                if arrivals is not None:
+                    arrivals.append(time.monotonic())
     return "".join(out)
 
 
@@ -202,16 +206,22 @@ async def execute_switch(grpc_addr: str, tp: int, pp: int, on_event=None, **kw):
 
 
 async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list[str],
-                            max_tokens: int, late_prompts: tuple[str, ...] = (), **kw):
-    """Stream one greedy completion per prompt; once every stream is decoding, switch to TPxPP;
+                            max_tokens: int, late_prompts: tuple[str, ...] = (),
+                            timeline: dict | None = None, **kw):
+    """Stream one greedy completion per prompt and switch to TPxPP while every one is decoding;
     ``late_prompts`` are sent while the switch runs (after its first event).
+
+    The start of the switch is gated by the engine's own view (``test_start_when_running``; the
+    agent needs REMP_AGENT_ENABLE_FAULT_INJECTION=1): on a 2-core machine the client sees SSE
+    chunks in bursts, seconds late, so a client-side "every stream is decoding" is unreliable.
     Returns (outputs, late outputs, phase names, record)."""
+    kw.setdefault("test_start_when_running", len(prompts))
     async with httpx.AsyncClient(timeout=600) as c:
-        progress: list[list[int]] = [[] for _ in prompts]
-        main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, progress[i]))
+        arrivals: list[list[float]] = [[] for _ in prompts]
+        t0 = time.monotonic()
+        main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, None,
+                                                      arrivals[i]))
                 for i, p in enumerate(prompts)]
-        while not all(pr and pr[-1] >= 4 for pr in progress):  # every stream is decoding
-            await asyncio.sleep(0.005)
         late: list[asyncio.Task] = []
 
         def on_event(_ev):
@@ -219,4 +229,9 @@ async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list
                 late.extend(asyncio.create_task(stream_completion(c, agent.http, p, 16))
                             for p in late_prompts)
         phases, record = await execute_switch(agent.grpc_addr, tp, pp, on_event=on_event, **kw)
-        return await asyncio.gather(*main), await asyncio.gather(*late), phases, record
+        t_done = time.monotonic()
+        outs = await asyncio.gather(*main)
+        if timeline is not None:
+            timeline.update(switch_returned=t_done - t0,
+                            chunks=[[round(a - t0, 3) for a in arr] for arr in arrivals])
+        return outs, await asyncio.gather(*late), phases, record

@@ -40,6 +40,9 @@ def _agent_parser(sub) -> None:
                    help="where the host weight store lives (default /dev/shm)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None,
                    help="report ready without a warm-up generation")
+    p.add_argument("--no-warm-up-candidates", dest="warm_up_candidates", action="store_false",
+                   default=None, help="skip visiting every candidate topology before ready "
+                   "(the first switch into each then pays its kernels' one-time set-up)")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
     p.add_argument("extra_vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -48,6 +48,7 @@ def _remp_engine_info(self) -> dict:
         "block_size": self.vllm_config.cache_config.block_size,
         "running": len(sched.running),
         "waiting": len(sched.waiting),
+        "min_output_tokens": min((r.num_output_tokens for r in sched.running), default=0),
         "batch_queue": len(self.batch_queue) if self.batch_queue else 0,
     }
 

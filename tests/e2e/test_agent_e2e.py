@@ -143,3 +143,6 @@ def test_fault_injection_needs_the_setting(tp2_agent):
                 tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
     assert r.returncode != 0 and "InvalidArgument" in r.stderr
     assert "fault injection setting" in r.stderr
+    r = grpcurl("-plaintext", "-d", '{"target": {"tp": 1, "pp": 2}, "test_start_when_running": 2}',
+                tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
+    assert r.returncode != 0 and "fault injection setting" in r.stderr

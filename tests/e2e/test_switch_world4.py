@@ -19,7 +19,8 @@ ROUTE = [(2, 2), (4, 1), (1, 4), (2, 2), (1, 4), (4, 1), (2, 2)]
 
 def test_all_six_pairs_token_exact(tiny_model, artifacts_dir):
     a = AgentProcess(tiny_model, tp=2, pp=2, dtype="float32", log_dir=artifacts_dir,
-                     node="e2e-world4", extra=["--devices", "4"])
+                     node="e2e-world4", extra=["--devices", "4"],
+                     env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
     with a:
         async def ref():
             async with httpx.AsyncClient(timeout=600) as c:

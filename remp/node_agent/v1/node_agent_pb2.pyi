@@ -58,7 +58,7 @@ class EngineInfo(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., engine_core_pid: _Optional[int] = ...) -> None: ...
 
 class ExecuteSwitchRequest(_message.Message):
-    __slots__ = ("target", "switch_id", "epoch", "reason", "sequential_data_path", "fail_at_phase", "test_skip_kv_migration")
+    __slots__ = ("target", "switch_id", "epoch", "reason", "sequential_data_path", "fail_at_phase", "test_skip_kv_migration", "test_start_when_running")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class ExecuteSwitchRequest(_message.Message):
     SEQUENTIAL_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     FAIL_AT_PHASE_FIELD_NUMBER: _ClassVar[int]
     TEST_SKIP_KV_MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    TEST_START_WHEN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     target: _types_pb2.Topology
     switch_id: str
     epoch: int
@@ -73,7 +74,8 @@ class ExecuteSwitchRequest(_message.Message):
     sequential_data_path: bool
     fail_at_phase: _types_pb2.Phase
     test_skip_kv_migration: bool
-    def __init__(self, target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., sequential_data_path: _Optional[bool] = ..., fail_at_phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., test_skip_kv_migration: _Optional[bool] = ...) -> None: ...
+    test_start_when_running: int
+    def __init__(self, target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., sequential_data_path: _Optional[bool] = ..., fail_at_phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., test_skip_kv_migration: _Optional[bool] = ..., test_start_when_running: _Optional[int] = ...) -> None: ...
 
 class SwitchEvent(_message.Message):
     __slots__ = ("switch_id", "phase", "elapsed_seconds", "record", "error", "detail")
