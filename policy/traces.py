@@ -1,0 +1,265 @@
+"""Traffic traces as fixed windows of request counts (readers are the only I/O here).
+
+Canonical form: ``t_start_s,requests[,input_tokens,output_tokens]``, one row per fixed window,
+``t_start_s`` in seconds since local midnight of day 0 (so time of day is ``t % 86400``).
+Readers for every format in ``../shared/traces`` (see its PROVENANCE.md):
+
+- ``azure2023``: Azure LLM inference 2023 (Splitwise), one row per request,
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``; aggregated into windows (default 60 s).
+- ``mooncake``: Mooncake FAST'25 JSONL, ``timestamp`` in ms from trace start, ``input_length``,
+  ``output_length``; aggregated into windows (default 60 s). Time of day is unknown (t=0 midnight).
+- ``azure2024-hourly``: ``day,hour,date,conversation`` hourly counts (3600 s windows).
+- ``servegen``: ServeGen 10-min aggregates ``window_start_s,...,requests_est,...,
+  input_tokens_sum_est,output_tokens_sum_est,token_coverage,active_clients``; windows with no
+  active client are collection gaps and are marked missing, not zero.
+- ``canonical``: the canonical CSV above.
+
+Coarser windows: ``WindowSeries.rebin(window_s)`` (a multiple of the native window).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+FORMATS = ("auto", "canonical", "azure2023", "mooncake", "azure2024-hourly", "servegen")
+
+
+@dataclass(frozen=True)
+class WindowSeries:
+    """Request counts in consecutive fixed windows. ``missing`` marks windows with no data."""
+
+    name: str
+    window_s: float
+    t_start_s: np.ndarray  # float, window starts, strictly increasing by window_s
+    requests: np.ndarray  # float, requests that arrived in the window
+    missing: np.ndarray  # bool
+    input_tokens: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
+    day0_weekday: int | None = None  # 0 = Monday, when the trace's calendar date is known
+
+    def __post_init__(self) -> None:
+        n = len(self.t_start_s)
+        if n == 0:
+            raise ValueError(f"trace {self.name!r} has no windows")
+        if not self.window_s > 0:
+            raise ValueError("window length must be positive")
+        if len(self.requests) != n or len(self.missing) != n:
+            raise ValueError("t_start_s, requests and missing must have the same length")
+        if n > 1 and not np.allclose(np.diff(self.t_start_s), self.window_s):
+            raise ValueError(f"trace {self.name!r}: windows are not consecutive {self.window_s} s windows")
+        if np.any(self.requests[~self.missing] < 0):
+            raise ValueError(f"trace {self.name!r}: negative request count")
+
+    def __len__(self) -> int:
+        return len(self.t_start_s)
+
+    @property
+    def rates(self) -> np.ndarray:
+        """Requests per second per window (NaN where missing)."""
+        r = self.requests / self.window_s
+        return np.where(self.missing, np.nan, r)
+
+    @property
+    def duration_s(self) -> float:
+        return float(len(self) * self.window_s)
+
+    def rebin(self, window_s: float) -> "WindowSeries":
+        k = window_s / self.window_s
+        if abs(k - round(k)) > 1e-9 or round(k) < 1:
+            raise ValueError(f"cannot rebin {self.window_s} s windows into {window_s} s windows")
+        k = int(round(k))
+        if k == 1:
+            return self
+        n = len(self) // k
+        if n == 0:
+            raise ValueError(f"trace shorter than one {window_s} s window")
+
+        def fold(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[: n * k].reshape(n, k).sum(axis=1)
+
+        miss = self.missing[: n * k].reshape(n, k)
+        req = np.where(self.missing, 0.0, self.requests)[: n * k].reshape(n, k)
+        # a partly missing window is scaled up from its observed part; fully missing stays missing
+        seen = (~miss).sum(axis=1)
+        counts = np.where(seen > 0, req.sum(axis=1) * k / np.maximum(seen, 1), 0.0)
+        return replace(self, window_s=float(window_s), t_start_s=self.t_start_s[: n * k: k].copy(),
+                       requests=counts, missing=seen == 0, input_tokens=fold(self.input_tokens),
+                       output_tokens=fold(self.output_tokens))
+
+
+def aggregate(name: str, times_s: np.ndarray, window_s: float, input_tokens: np.ndarray | None = None,
+              output_tokens: np.ndarray | None = None, day0_weekday: int | None = None,
+              origin_s: float | None = None) -> WindowSeries:
+    """Per-request arrival times (s since day-0 midnight) -> counts in fixed windows. Windows are
+    aligned to multiples of ``window_s`` since midnight unless ``origin_s`` is given; the last,
+    partial window is dropped (a partial count would read as a dip)."""
+    times_s = np.asarray(times_s, dtype=float)
+    if len(times_s) == 0:
+        raise ValueError(f"trace {name!r} has no requests")
+    start = np.floor(times_s.min() / window_s) * window_s if origin_s is None else origin_s
+    idx = np.floor((times_s - start) / window_s).astype(int)
+    n_full = int(np.floor((times_s.max() - start) / window_s))  # windows that ended before the last arrival
+    n = max(n_full, 1)
+    keep = idx < n
+    counts = np.bincount(idx[keep], minlength=n).astype(float)
+
+    def sums(a: np.ndarray | None) -> np.ndarray | None:
+        if a is None:
+            return None
+        return np.bincount(idx[keep], weights=np.asarray(a, dtype=float)[keep], minlength=n)
+
+    return WindowSeries(name=name, window_s=float(window_s), t_start_s=start + window_s * np.arange(n),
+                        requests=counts, missing=np.zeros(n, dtype=bool), input_tokens=sums(input_tokens),
+                        output_tokens=sums(output_tokens), day0_weekday=day0_weekday)
+
+
+# ---- readers ----
+
+def _header(path: Path) -> list[str]:
+    with path.open(newline="") as f:
+        first = f.readline().strip()
+    return [c.strip() for c in first.split(",")]
+
+
+def detect_format(path: str | Path) -> str:
+    path = Path(path)
+    if path.suffix in (".jsonl", ".json"):
+        return "mooncake"
+    cols = _header(path)
+    if cols[:1] == ["TIMESTAMP"]:
+        return "azure2023"
+    if cols[:1] == ["t_start_s"]:
+        return "canonical"
+    if "conversation" in cols and "hour" in cols:
+        return "azure2024-hourly"
+    if "requests_est" in cols and "window_start_s" in cols:
+        return "servegen"
+    raise ValueError(f"{path}: unknown trace format (header {cols[:6]}); pass --format ({', '.join(FORMATS[1:])})")
+
+
+def read_canonical(path: str | Path) -> WindowSeries:
+    path = Path(path)
+    t, req, tin, tout = [], [], [], []
+    with path.open(newline="") as f:
+        rd = csv.DictReader(f)
+        has_tokens = rd.fieldnames is not None and "input_tokens" in rd.fieldnames
+        for row in rd:
+            t.append(float(row["t_start_s"]))
+            v = row["requests"].strip()
+            req.append(float(v) if v else np.nan)
+            if has_tokens:
+                tin.append(float(row["input_tokens"] or 0))
+                tout.append(float(row["output_tokens"] or 0))
+    if len(t) < 1:
+        raise ValueError(f"{path}: no rows")
+    t_arr = np.asarray(t)
+    window = float(np.median(np.diff(t_arr))) if len(t) > 1 else 60.0
+    req_arr = np.asarray(req)
+    missing = np.isnan(req_arr)
+    return WindowSeries(name=path.stem, window_s=window, t_start_s=t_arr, requests=np.nan_to_num(req_arr),
+                        missing=missing, input_tokens=np.asarray(tin) if tin else None,
+                        output_tokens=np.asarray(tout) if tout else None)
+
+
+def write_canonical(series: WindowSeries, path: str | Path) -> None:
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        tokens = series.input_tokens is not None and series.output_tokens is not None
+        w.writerow(["t_start_s", "requests"] + (["input_tokens", "output_tokens"] if tokens else []))
+        for i in range(len(series)):
+            row = [f"{series.t_start_s[i]:g}", "" if series.missing[i] else f"{series.requests[i]:g}"]
+            if tokens:
+                row += [f"{series.input_tokens[i]:g}", f"{series.output_tokens[i]:g}"]  # type: ignore[index]
+            w.writerow(row)
+
+
+def read_azure2023(path: str | Path, window_s: float = 60.0) -> WindowSeries:
+    path = Path(path)
+    stamps, tin, tout = [], [], []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            stamps.append(row["TIMESTAMP"])
+            tin.append(float(row["ContextTokens"]))
+            tout.append(float(row["GeneratedTokens"]))
+    if not stamps:
+        raise ValueError(f"{path}: no requests")
+
+    def parse(s: str) -> dt.datetime:
+        day, _, frac = s.strip().partition(".")
+        base = dt.datetime.strptime(day, "%Y-%m-%d %H:%M:%S")
+        return base + dt.timedelta(microseconds=int((frac + "000000")[:6]) if frac else 0)
+
+    ts = [parse(s) for s in stamps]
+    midnight = dt.datetime.combine(min(ts).date(), dt.time())
+    secs = np.array([(x - midnight).total_seconds() for x in ts])
+    return aggregate(path.stem, secs, window_s, np.array(tin), np.array(tout),
+                     day0_weekday=midnight.weekday())
+
+
+def read_mooncake(path: str | Path, window_s: float = 60.0) -> WindowSeries:
+    path = Path(path)
+    t, tin, tout = [], [], []
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                t.append(float(d["timestamp"]) / 1e3)
+                tin.append(float(d.get("input_length", 0)))
+                tout.append(float(d.get("output_length", 0)))
+    return aggregate(path.stem, np.array(t), window_s, np.array(tin), np.array(tout), origin_s=0.0)
+
+
+def read_azure2024_hourly(path: str | Path) -> WindowSeries:
+    path = Path(path)
+    t, req, date0 = [], [], None
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            t.append(int(row["day"]) * 86400 + int(row["hour"]) * 3600)
+            req.append(float(row["conversation"]))
+            date0 = date0 or row.get("date")
+    order = np.argsort(t)
+    weekday = dt.date.fromisoformat(date0).weekday() if date0 else None
+    return WindowSeries(name=path.stem, window_s=3600.0, t_start_s=np.asarray(t, dtype=float)[order],
+                        requests=np.asarray(req)[order], missing=np.zeros(len(t), dtype=bool),
+                        day0_weekday=weekday)
+
+
+def read_servegen(path: str | Path) -> WindowSeries:
+    path = Path(path)
+    t, req, tin, tout, miss = [], [], [], [], []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            t.append(float(row["window_start_s"]))
+            req.append(float(row["requests_est"]))
+            tin.append(float(row.get("input_tokens_sum_est") or 0))
+            tout.append(float(row.get("output_tokens_sum_est") or 0))
+            miss.append(int(float(row.get("active_clients") or 1)) == 0)
+    t_arr = np.asarray(t)
+    window = float(np.median(np.diff(t_arr))) if len(t) > 1 else 600.0
+    return WindowSeries(name=path.stem, window_s=window, t_start_s=t_arr, requests=np.asarray(req),
+                        missing=np.asarray(miss), input_tokens=np.asarray(tin), output_tokens=np.asarray(tout))
+
+
+def read_trace(path: str | Path, fmt: str = "auto", window_s: float | None = None) -> WindowSeries:
+    """Read any supported trace; ``window_s`` sets the window for per-request formats and
+    re-bins windowed ones (must be a multiple of their native window)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no trace file {path}")
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "azure2023":
+        return read_azure2023(path, window_s or 60.0)
+    if fmt == "mooncake":
+        return read_mooncake(path, window_s or 60.0)
+    readers = {"canonical": read_canonical, "azure2024-hourly": read_azure2024_hourly,
+               "servegen": read_servegen}
+    if fmt not in readers:
+        raise ValueError(f"unknown trace format {fmt!r}; one of {', '.join(FORMATS)}")
+    series = readers[fmt](path)
+    return series.rebin(window_s) if window_s else series

@@ -1,0 +1,94 @@
+"""The analytic profile's calibration, profile files, and trace readers."""
+
+import json
+
+import numpy as np
+import pytest
+
+from policy.profiles import SLO, Profile, analytic_h200x8, load_profile, save_profile
+from policy.traces import aggregate, read_trace, write_canonical
+from remp.topology import Topology
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return analytic_h200x8()
+
+
+def test_analytic_profile_meets_the_two_calibration_facts(h200):
+    cap = {str(t): h200.capacity(t) for t in h200.topologies}
+    assert set(cap) == {"TP1PP8", "TP2PP4", "TP4PP2", "TP8PP1"}
+    assert cap["TP4PP2"] / cap["TP1PP8"] == pytest.approx(0.60, abs=0.01)
+    assert h200.params["trough_ttft_ratio_tp1pp8_tp4pp2"] == pytest.approx(3.1, abs=0.05)
+    assert max(cap, key=cap.get) == "TP1PP8"
+    assert h200.kind == "analytic"
+
+
+def test_goodput_curves_trade_latency_for_throughput(h200):
+    g = h200.goodput_curves(h200.default_slo)
+    best = h200.best_capacity_rps
+    low, high = 0.1 * best, 0.9 * best
+    assert g[Topology(4, 2)](low) > g[Topology(1, 8)](low)  # trough: high TP wins
+    assert g[Topology(1, 8)](high) > g[Topology(4, 2)](high)  # peak: high PP wins
+    for c in g.values():  # shedding makes goodput monotone in offered load
+        assert np.all(np.diff(c.goodput_rps) >= -1e-12)
+
+
+def test_profile_json_round_trip(tmp_path, h200):
+    path = tmp_path / "p.json"
+    save_profile(h200, path)
+    back = load_profile(str(path))
+    assert back.topologies == h200.topologies
+    assert back.capacity(Topology(1, 8)) == pytest.approx(h200.capacity(Topology(1, 8)))
+    slo = SLO(1.0, 0.2)
+    a, b = h200.goodput_curves(slo), back.goodput_curves(slo)
+    for t in h200.topologies:
+        assert a[t](5.0) == pytest.approx(b[t](5.0), rel=1e-6)
+
+
+def test_measured_profile_file_minimal(tmp_path):
+    doc = {"name": "cpu-measured", "request": {"input_tokens": 64, "output_tokens": 32},
+           "switch_downtime_s": 0.095, "default_slo": {"ttft_ms": 500, "tpot_ms": 100},
+           "topologies": {"TP2PP1": {"capacity_rps": 4.0, "points": [
+               {"load_rps": 0.5, "ttft_p50_ms": 100, "tpot_p50_ms": 30},
+               {"load_rps": 3.5, "ttft_p50_ms": 400, "tpot_p50_ms": 80}]}}}
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    p = load_profile(str(tmp_path / "m.json"))
+    assert p.kind == "measured" and p.switch_downtime_s == 0.095
+    with pytest.raises(ValueError):
+        Profile.from_json({"name": "x"})
+    with pytest.raises(ValueError):
+        load_profile("no-such-profile")
+
+
+def test_aggregate_and_canonical_round_trip(tmp_path):
+    s = aggregate("t", np.array([0.5, 1.0, 61.0, 62.0, 63.0, 200.0]), 60.0,
+                  np.array([1, 2, 3, 4, 5, 6.0]), np.array([1, 1, 1, 1, 1, 1.0]), origin_s=0.0)
+    assert list(s.requests) == [2, 3, 0]  # the partial last window (180-200 s) is dropped
+    path = tmp_path / "c.csv"
+    write_canonical(s, path)
+    back = read_trace(path)
+    assert back.window_s == 60.0 and list(back.requests) == [2, 3, 0]
+    assert list(back.input_tokens) == [3, 12, 0]
+    assert list(s.rebin(120.0).requests) == [5]
+
+
+@pytest.mark.parametrize("rel,fmt,window", [
+    ("azure2023/AzureLLMInferenceTrace_conv.csv", "azure2023", 60.0),
+    ("mooncake/conversation_trace.jsonl", "mooncake", 60.0),
+    ("azure2024/azure2024_conv_hourly.csv", "azure2024-hourly", 3600.0),
+    ("servegen/servegen_m-mid_10min.csv", "servegen", 600.0),
+])
+def test_shared_trace_readers(rel, fmt, window):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "shared" / "traces" / rel
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    s = read_trace(path)
+    assert s.window_s == window and len(s) > 10
+    assert np.nanmax(s.rates) > 0
+    if fmt == "servegen":
+        assert s.missing.sum() == 84  # collection gaps are missing, not zero load
+    if fmt == "azure2024-hourly":
+        assert s.requests.sum() == 24_732_434
