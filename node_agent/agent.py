@@ -23,7 +23,7 @@ from pathlib import Path
 
 import remp
 from remp import logs
-from remp.errors import FailedPrecondition, InvalidArgument
+from remp.errors import FailedPrecondition, InvalidArgument, NotFound
 from remp.grpc_util import make_server, set_serving
 from remp.topology import Topology, format_topologies
 from remp.transaction import Phase, fault_injectable_phases
@@ -90,6 +90,8 @@ class NodeAgent:
         """Test-only start gate: the engine's own view of 'n requests are decoding'."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.current is not None and self.current.abort_reason is not None:
+                return
             info = await self.engine.engine_info()
             if info["running"] >= n and info["min_output_tokens"] >= 2:
                 return
@@ -120,6 +122,21 @@ class NodeAgent:
             self.status = "starting" if self.status == "serving" else self.status
         log.info("agent.warmed_up_candidates", topologies=[str(t) for t in others],
                  seconds=round(time.monotonic() - t0, 2))
+
+    def abort_switch(self, switch_id: str, reason: str) -> Phase:
+        """Ask the running switch to roll back at its next phase boundary; allowed before
+        MIGRATE_KV (after that, finishing is faster and safer than undoing)."""
+        rec = self.records.get(switch_id)
+        if rec is None:
+            raise NotFound(f"no switch with id {switch_id!r} on this node")
+        if rec is not self.current or rec.outcome != "running":
+            raise FailedPrecondition(f"switch {switch_id} has finished ({rec.outcome})")
+        if rec.phase >= Phase.MIGRATE_KV:
+            raise FailedPrecondition(f"switch {switch_id} is in {rec.phase.name}: abort is "
+                                     "allowed only before MIGRATE_KV starts")
+        rec.abort_reason = reason or "aborted by operator"
+        log.info("switch.abort_requested", switch_id=switch_id, phase=rec.phase.name)
+        return rec.phase
 
     def get_switch(self, switch_id: str) -> SwitchRecord | None:
         return self.records.get(switch_id)
@@ -287,6 +304,7 @@ async def run(cfg: ResolvedAgentConfig) -> int:
     )
     agent.engine = handle
     http_task: asyncio.Task | None = None
+    reg_task: asyncio.Task | None = None
     store = None
     try:
         start = asyncio.create_task(handle.start())
@@ -316,6 +334,13 @@ async def run(cfg: ResolvedAgentConfig) -> int:
         await set_serving(health, [SERVICE_NAME], True)
         log.info("agent.ready", grpc=f"{s.host}:{grpc_port}", http=agent.http_address,
                  topology=str(agent.topology))
+        if s.controller:
+            from node_agent.registration import keep_registered
+
+            host = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
+            reg_task = asyncio.create_task(keep_registered(
+                agent, s.controller, s.advertise_address or f"{host}:{grpc_port}",
+                s.controller_token))
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -336,6 +361,8 @@ async def run(cfg: ResolvedAgentConfig) -> int:
         if agent.status != "dead":
             agent.status = "stopping"
         await set_serving(health, [SERVICE_NAME], False)
+        if reg_task is not None:
+            reg_task.cancel()
         handle.stop_http()
         if http_task is not None:
             try:

@@ -59,6 +59,11 @@ class AgentSettings(BaseSettings):
     weight_store_root: Path = Field(Path("/dev/shm"), description="host shared-memory weight store")
     switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
     enable_fault_injection: bool = Field(False, description="tests only: honour fail_at_phase")
+    controller: str | None = Field(None, description="controller host:port to register with")
+    controller_token: str | None = Field(None, description="bearer token for the controller")
+    advertise_address: str | None = Field(
+        None, description="host:port the controller reaches this agent's gRPC at "
+        "(default: host, or 127.0.0.1 when bound to 0.0.0.0, and the gRPC port)")
     extra_vllm_args: list[str] = Field(default_factory=list)
 
     @field_validator("node")

@@ -20,6 +20,7 @@ OUTCOME = {
     "rolled_back": types_pb2.SWITCH_OUTCOME_ROLLED_BACK,
     "failed": types_pb2.SWITCH_OUTCOME_FAILED,
     "noop": types_pb2.SWITCH_OUTCOME_NOOP,
+    "aborted": types_pb2.SWITCH_OUTCOME_ABORTED,
 }
 
 ENGINE_STATUS = {

@@ -38,6 +38,13 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
             yield convert.event_to_proto(ev)
 
     @rpc_errors
+    async def AbortSwitch(self, request, context):
+        if not request.switch_id:
+            raise InvalidArgument("switch_id is required")
+        phase = self.agent.abort_switch(request.switch_id, request.reason)
+        return node_agent_pb2.AbortSwitchResponse(aborted=True, phase=int(phase))
+
+    @rpc_errors
     async def GetSwitch(self, request, context):
         rec = self.agent.get_switch(request.switch_id)
         if rec is None:

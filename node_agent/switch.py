@@ -47,6 +47,7 @@ class SwitchRecord:
     epoch: int = 0
     overlapped: bool = True
     data_path_s: float = 0.0
+    abort_reason: str | None = None  # set by AbortSwitch; honoured at the next phase boundary
     workers: list[dict] = field(default_factory=list)
 
     def phase_seconds(self) -> dict[str, float]:
@@ -69,6 +70,15 @@ class InjectedFrontEndFault(RuntimeError):
     pass
 
 
+class SwitchAborted(RuntimeError):
+    """An operator aborted the switch before MIGRATE_KV; it rolls back, outcome ``aborted``."""
+
+
+# Abort is honoured when entering any of these (so never once KV has started to move).
+ABORTABLE_ENTRIES = frozenset({Phase.QUIESCING, Phase.PREPARING_WORKERS, Phase.MPU_APPLIED,
+                               Phase.MIGRATE_KV})
+
+
 async def _call(coro, what: str):
     try:
         return await asyncio.wait_for(coro, timeout=PHASE_TIMEOUT_S)
@@ -88,6 +98,8 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         return wall0 + (mono - mono0)
 
     async def enter(phase: Phase, detail: str = "") -> None:
+        if record.abort_reason is not None and phase in ABORTABLE_ENTRIES:
+            raise SwitchAborted(f"aborted before {phase.name}: {record.abort_reason}")
         m.advance(phase)
         record.phase = phase
         log.info("switch.phase", switch_id=record.switch_id, phase=phase.name, detail=detail)
@@ -151,7 +163,13 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         log.warning("switch.failed", switch_id=record.switch_id, phase=failed_at.name,
                     error=f"{type(exc).__name__}: {exc}")
         record.error = (_code(exc), f"{type(exc).__name__}: {exc}"[:500], failed_at)
-        await _roll_back(engine, record, m, enter, touched_workers)
+        if record.phase == Phase.SERVING_OLD:  # aborted before anything happened
+            m.advance(Phase.ROLLED_BACK)
+            record.phase, record.outcome = Phase.ROLLED_BACK, "rolled_back"
+        else:
+            await _roll_back(engine, record, m, enter, touched_workers)
+        if record.outcome == "rolled_back" and isinstance(exc, SwitchAborted):
+            record.outcome = "aborted"
     if record.outcome == "succeeded":
         # serving on the new topology already: what follows only measures and tidies up
         try:
@@ -201,6 +219,8 @@ async def _first_token(engine) -> float | None:
 
 def _code(exc: BaseException) -> str:
     name = type(exc).__name__
+    if isinstance(exc, SwitchAborted):
+        return "ABORTED"
     if "InjectedFault" in name or "InjectedFrontEndFault" in name or "injected fault" in str(exc):
         return "INJECTED_FAULT"
     if isinstance(exc, TimeoutError):

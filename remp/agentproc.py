@@ -235,3 +235,116 @@ async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list
             timeline.update(switch_returned=t_done - t0,
                             chunks=[[round(a - t0, 3) for a in arr] for arr in arrivals])
         return outs, await asyncio.gather(*late), phases, record
+
+
+# ----------------------------------------------------------------------------- controller
+
+CONTROLLER_SERVICE = "remp.controller.v1.Controller"
+
+
+@dataclass
+class ControllerProcess:
+    """A ``remp controller`` subprocess on a fixed port (kept across restarts)."""
+
+    redis_url: str
+    log_dir: Path = Path(".")
+    token: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    lease_seconds: float = 10.0
+    name: str = "controller"
+
+    def __post_init__(self):
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}-{self.starts}.log"
+
+    def start(self, env: dict[str, str] | None = None) -> "ControllerProcess":
+        self.starts += 1
+        e = {**os.environ, "REMP_LOG_FORMAT": "json", **self.env, **(env or {})}
+        cmd = [sys.executable, "-m", "remp.cli", "controller", "--port", str(self.port),
+               "--redis-url", self.redis_url, "--lease-seconds", str(self.lease_seconds)]
+        if self.token:
+            cmd += ["--token", self.token]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=e,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> "ControllerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"controller exited rc={self.proc.returncode}:\n"
+                                   + self.log_path.read_text()[-3000:])
+            try:
+                with grpc.insecure_channel(self.addr) as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service=CONTROLLER_SERVICE), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"controller not ready in {timeout}s:\n"
+                           + self.log_path.read_text()[-3000:])
+
+    def log_has(self, event: str) -> bool:
+        try:
+            return f'"event": "{event}"' in self.log_path.read_text()
+        except OSError:
+            return False
+
+    def wait_log(self, event: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.log_has(event):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"controller exited:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no {event} in the controller log:\n"
+                           + self.log_path.read_text()[-3000:])
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, no clean-up)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._close()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+        self._close()
+        return rc
+
+    def _close(self) -> None:
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+        self.proc = None
+
+    def stub(self, ch: grpc.Channel):
+        from remp.controller.v1 import controller_pb2_grpc
+        return controller_pb2_grpc.ControllerStub(ch)
+
+    def metadata(self):
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+    def __enter__(self):
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()

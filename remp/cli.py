@@ -45,6 +45,9 @@ def _agent_parser(sub) -> None:
                    "(the first switch into each then pays its kernels' one-time set-up)")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
+    p.add_argument("--controller", help="controller host:port to register with")
+    p.add_argument("--controller-token", help="bearer token for the controller")
+    p.add_argument("--advertise-address", help="host:port the controller reaches this agent at")
     p.add_argument("extra_vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
@@ -60,10 +63,26 @@ def _make_model_parser(sub) -> None:
     p.add_argument("--vocab", type=int, default=2048)
 
 
+def _controller_parser(sub) -> None:
+    p = sub.add_parser("controller", help="run the controller (gRPC, state in Redis)",
+                       description="Run the controller. Without --redis-url it starts a private "
+                                   "redis-server (nothing persisted).")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--redis-url", help="redis://[:password@]host:port/db (rediss:// for TLS)")
+    p.add_argument("--redis-prefix")
+    p.add_argument("--token", help="bearer token for mutating RPCs (or REMP_CONTROLLER_TOKEN)")
+    p.add_argument("--lease-seconds", type=float)
+    p.add_argument("--agent-tls-ca", type=Path)
+    p.add_argument("--agent-tls-cert", type=Path)
+    p.add_argument("--agent-tls-key", type=Path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="remp", description="live TP x PP topology switching for vLLM")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _agent_parser(sub)
+    _controller_parser(sub)
     _make_model_parser(sub)
     return ap
 
@@ -128,9 +147,33 @@ def cmd_agent(a) -> int:
         return fail(str(exc), 1)
 
 
+def cmd_controller(a) -> int:
+    from pydantic import ValidationError
+
+    from remp import logs
+
+    fields = {k: v for k, v in vars(a).items() if v is not None and k != "cmd"}
+    try:
+        from controller.config import ControllerSettings
+
+        settings = ControllerSettings(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "settings"
+        return fail(f"invalid setting {where}: {err['msg']}")
+    logs.configure(node="controller")
+    from controller import server
+
+    try:
+        return server.main(settings)
+    except (OSError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        return fail(str(exc), 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    return {"agent": cmd_agent, "make-model": cmd_make_model}[a.cmd](a)
+    return {"agent": cmd_agent, "controller": cmd_controller,
+            "make-model": cmd_make_model}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def test_phase_order_matches_transaction():
 @pytest.mark.parametrize("mod,service,methods", [
     (controller_pb2, "Controller", {"Reconfigure", "Plan", "GetState", "ListNodes", "Watch", "Abort",
                                     "GetSwitch", "ListSwitches", "RegisterNode", "Heartbeat"}),
-    (node_agent_pb2, "NodeAgent", {"Describe", "ExecuteSwitch", "GetSwitch"}),
+    (node_agent_pb2, "NodeAgent", {"Describe", "ExecuteSwitch", "AbortSwitch", "GetSwitch"}),
     (policy_pb2, "Policy", {"GetForecast", "GetRecommendation", "SetMode", "ListDecisions"}),
 ])
 def test_service_contract(mod, service, methods):

@@ -104,3 +104,19 @@ class GetSwitchResponse(_message.Message):
     RECORD_FIELD_NUMBER: _ClassVar[int]
     record: _types_pb2.SwitchRecord
     def __init__(self, record: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ...) -> None: ...
+
+class AbortSwitchRequest(_message.Message):
+    __slots__ = ("switch_id", "reason")
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    switch_id: str
+    reason: str
+    def __init__(self, switch_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortSwitchResponse(_message.Message):
+    __slots__ = ("aborted", "phase")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    phase: _types_pb2.Phase
+    def __init__(self, aborted: _Optional[bool] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ...) -> None: ...

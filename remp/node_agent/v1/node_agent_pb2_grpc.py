@@ -44,6 +44,11 @@ class NodeAgentStub:
                 request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ExecuteSwitchRequest.SerializeToString,
                 response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SwitchEvent.FromString,
                 _registered_method=True)
+        self.AbortSwitch = channel.unary_unary(
+                '/remp.node_agent.v1.NodeAgent/AbortSwitch',
+                request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.AbortSwitchRequest.SerializeToString,
+                response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.AbortSwitchResponse.FromString,
+                _registered_method=True)
         self.GetSwitch = channel.unary_unary(
                 '/remp.node_agent.v1.NodeAgent/GetSwitch',
                 request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchRequest.SerializeToString,
@@ -70,9 +75,17 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetSwitch(self, request, context):
+    def AbortSwitch(self, request, context):
         """The record of a switch, running or finished. NOT_FOUND for an unknown id.
+        Abort a running switch before MIGRATE_KV starts: it rolls back to the old topology (outcome
+        ABORTED). FAILED_PRECONDITION once MIGRATE_KV has started or the switch has finished.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSwitch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -89,6 +102,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.ExecuteSwitch,
                     request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ExecuteSwitchRequest.FromString,
                     response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SwitchEvent.SerializeToString,
+            ),
+            'AbortSwitch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSwitch,
+                    request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.AbortSwitchRequest.FromString,
+                    response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.AbortSwitchResponse.SerializeToString,
             ),
             'GetSwitch': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSwitch,
@@ -150,6 +168,33 @@ class NodeAgent:
             '/remp.node_agent.v1.NodeAgent/ExecuteSwitch',
             remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ExecuteSwitchRequest.SerializeToString,
             remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SwitchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSwitch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.node_agent.v1.NodeAgent/AbortSwitch',
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.AbortSwitchRequest.SerializeToString,
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.AbortSwitchResponse.FromString,
             options,
             channel_credentials,
             insecure,

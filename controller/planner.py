@@ -1,0 +1,147 @@
+"""The switch planner (pure, no I/O): is a target valid, who moves what where, how long it takes.
+
+Inputs are plain values the controller already holds for a node (its registration: model shape,
+candidates, measured bandwidths, KV pool facts; its history: measured phase seconds). The plan
+names every worker-to-worker KV transfer (2D: layers → pipeline stages, KV heads → tensor ranks,
+from :func:`remp.kvplan.migration_plan`) and every rank's new weight shard, with byte counts, and
+predicts per-phase and total time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from remp.errors import InvalidArgument
+from remp.kvplan import RankView, migration_plan
+from remp.topology import ModelShape, Topology, format_topologies, topology_problems
+from remp.transaction import Phase
+
+# Fixed-cost phases when a node has no measured history yet (seconds, measured on the CPU
+# build: bench/results/switch_vs_restart_cpu.json medians rounded up).
+DEFAULT_FIXED_PHASE_S = {
+    Phase.QUIESCING: 0.03,
+    Phase.PREPARING_WORKERS: 0.005,
+    Phase.MPU_APPLIED: 0.005,
+    Phase.REBINDING: 0.01,
+}
+DEFAULT_KV_BANDWIDTH_BPS = 1e9  # used only when the agent reported none
+DEFAULT_WEIGHT_BANDWIDTH_BPS = 1e9
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the planner needs to know about one node."""
+
+    shape: ModelShape
+    devices: int
+    candidates: tuple[Topology, ...]
+    weight_bytes: int                 # whole model
+    kv_bytes_per_block_head: int      # one KV head of one layer for one block (K and V)
+    live_blocks: int                  # blocks holding running requests' KV now
+    kv_bandwidth_bps: float = 0.0
+    weight_bandwidth_bps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src_rank: int
+    dst_rank: int
+    layers: tuple[int, ...]
+    kv_head_start: int
+    kv_head_end: int
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardLoad:
+    rank: int
+    layers: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+    weight_bytes: int
+
+
+@dataclass
+class Plan:
+    source: Topology
+    target: Topology
+    noop: bool = False
+    transfers: list[Transfer] = field(default_factory=list)
+    shard_loads: list[ShardLoad] = field(default_factory=list)
+    kv_bytes_total: int = 0
+    weight_bytes_total: int = 0
+    predicted: dict[Phase, float] = field(default_factory=dict)
+    predicted_total_s: float = 0.0
+    requests_to_preempt: int = 0
+
+
+def check_target(facts: NodeFacts, current: Topology, target: Topology) -> None:
+    """INVALID_ARGUMENT naming the valid targets when ``target`` cannot be switched to."""
+    valid = [t for t in facts.candidates if t.world_size == current.world_size]
+    problems = topology_problems(target, facts.shape, facts.devices)
+    if problems:
+        raise InvalidArgument(f"invalid target {target}: {'; '.join(problems)} "
+                              f"(valid targets: {format_topologies(valid)})")
+    if target not in facts.candidates:
+        raise InvalidArgument(f"target {target} is not a candidate of this node "
+                              f"(valid targets: {format_topologies(valid)})")
+    if target.world_size != current.world_size:
+        raise InvalidArgument(f"target {target} changes the world size ({current.world_size} → "
+                              f"{target.world_size} workers), not supported yet "
+                              f"(valid targets: {format_topologies(valid)})")
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def plan_switch(facts: NodeFacts, current: Topology, target: Topology,
+                history: dict[Phase, list[float]] | None = None, overlap: bool = True) -> Plan:
+    """The whole plan for ``current`` → ``target``; ``history`` holds measured seconds per fixed
+    phase from this node's earlier switches (their median replaces the defaults)."""
+    check_target(facts, current, target)
+    plan = Plan(current, target)
+    if target == current:
+        plan.noop = True
+        return plan
+    s = facts.shape
+    # KV: group the slices of one (src, dst, head range) over layers; local copies move no bytes
+    # between workers and are left out of the transfer list.
+    per_block = facts.kv_bytes_per_block_head * facts.live_blocks
+    grouped: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+    for sl in migration_plan(current, target, s.num_layers, s.num_kv_heads):
+        if not sl.local:
+            grouped[(sl.src, sl.dst, sl.head_start, sl.head_end)].append(sl.layer)
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    for (src, dst, lo, hi), layers in sorted(grouped.items()):
+        nbytes = len(layers) * (hi - lo) * per_block
+        plan.transfers.append(Transfer(src, dst, tuple(layers), lo, hi, nbytes))
+        sent[src] += nbytes
+        received[dst] += nbytes
+    plan.kv_bytes_total = sum(t.kv_bytes for t in plan.transfers)
+    # Weights: every rank of the target loads its (layers, tp slice) from the host weight store.
+    view = RankView(target, s.num_layers, s.num_kv_heads)
+    per_layer_rank = facts.weight_bytes / s.num_layers / target.tp
+    for rank in range(target.world_size):
+        layers = tuple(view.layers_of(rank))
+        plan.shard_loads.append(ShardLoad(rank, layers, view.tp_rank_of(rank), target.tp,
+                                          int(per_layer_rank * len(layers))))
+    plan.weight_bytes_total = sum(x.weight_bytes for x in plan.shard_loads)
+    # Time: every rank sends/receives concurrently over its own link; the host weight store is
+    # one shared source (PCIe / memory bandwidth), so reload time uses the total.
+    kv_bw = facts.kv_bandwidth_bps or DEFAULT_KV_BANDWIDTH_BPS
+    w_bw = facts.weight_bandwidth_bps or DEFAULT_WEIGHT_BANDWIDTH_BPS
+    busiest = max([*sent.values(), *received.values(), 0])
+    kv_s = busiest / kv_bw
+    reload_s = plan.weight_bytes_total / w_bw
+    hist = history or {}
+    for ph, default in DEFAULT_FIXED_PHASE_S.items():
+        plan.predicted[ph] = _median(hist.get(ph, [])) or default
+    plan.predicted[Phase.MIGRATE_KV] = kv_s
+    plan.predicted[Phase.RELOAD_SHARDS] = reload_s
+    data_path = max(kv_s, reload_s) if overlap else kv_s + reload_s
+    plan.predicted_total_s = sum(plan.predicted[p] for p in DEFAULT_FIXED_PHASE_S) + data_path
+    return plan

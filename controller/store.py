@@ -1,0 +1,320 @@
+"""Controller state in Redis. Every transition is one Lua script (atomic compare-and-set) that
+also appends its event to the one event stream, so state and events never disagree.
+
+Keys (prefix ``remp:`` by default; values are readable with redis-cli — protos are stored as JSON):
+
+- ``node:{n}`` hash: ``reg`` (RegisterNodeRequest JSON), ``observed``/``desired`` ("TPxPPy"),
+  ``lease_until`` (unix s), ``health`` (ready | lost), ``current`` (running switch id or ""),
+  ``epoch`` (fencing epoch, +1 per switch), ``traffic`` (last TrafficSample JSON)
+- ``nodes`` set of node names
+- ``switch:{id}`` hash: ``node``, ``record`` (SwitchRecord JSON), ``phase`` (Phase number),
+  ``outcome`` (running | succeeded | rolled_back | failed | aborted | noop | unknown),
+  ``dispatched`` (0/1: written *before* ExecuteSwitch is sent), ``epoch``, ``request_id``
+- ``reqid:{n}:{request_id}`` → switch id (idempotency, 7 days)
+- ``history:{n}`` and ``history`` sorted sets of switch ids by start time
+- ``unfinished`` set of switch ids whose outcome is still running (crash recovery)
+- ``events`` stream: field ``e`` = Event JSON (without its id; the stream id is the Event id)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from google.protobuf import json_format
+
+from remp.controller.v1 import controller_pb2
+from remp.errors import NotFound, Unavailable
+
+EVENTS_MAXLEN = 100_000
+REQID_TTL_S = 7 * 24 * 3600
+
+_BEGIN = """
+-- KEYS: node, reqid (or ""), switch, unfinished, history_node, history_all, events
+-- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
+if KEYS[2] ~= '' then
+  local prev = redis.call('GET', KEYS[2])
+  if prev then return {'dup', prev} end
+end
+local cur = redis.call('HGET', KEYS[1], 'current')
+if cur and cur ~= '' then return {'busy', cur} end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'current', ARGV[1], 'desired', ARGV[4])
+redis.call('HSET', KEYS[3], 'node', ARGV[8], 'record', ARGV[2], 'phase', 1, 'outcome', 'running', 'dispatched', 0,
+           'epoch', epoch, 'request_id', ARGV[5])
+if KEYS[2] ~= '' then redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[9]) end
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[6], ARGV[3], ARGV[1])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
+return {'ok', tostring(epoch)}
+"""
+
+_NOOP = """
+-- KEYS: node, reqid (or ""), switch, history_node, history_all, events
+-- ARGV: switch_id, record_json, started, node_name, request_id, event_json, maxlen, ttl
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
+if KEYS[2] ~= '' then
+  local prev = redis.call('GET', KEYS[2])
+  if prev then return {'dup', prev} end
+  redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[8])
+end
+redis.call('HSET', KEYS[3], 'node', ARGV[4], 'record', ARGV[2], 'phase', 1, 'outcome', 'noop',
+           'dispatched', 0, 'epoch', 0, 'request_id', ARGV[5])
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
+return {'ok', ''}
+"""
+
+_DISPATCH = """
+-- KEYS: switch;  ARGV: -  (the intent to send ExecuteSwitch, written before it is sent)
+if redis.call('HGET', KEYS[1], 'outcome') ~= 'running' then return 0 end
+if redis.call('HGET', KEYS[1], 'dispatched') == '1' then return 0 end
+redis.call('HSET', KEYS[1], 'dispatched', 1)
+return 1
+"""
+
+_ADVANCE = """
+-- KEYS: switch, events;  ARGV: expected_phase, new_phase, record_json, event_json, maxlen
+if redis.call('HGET', KEYS[1], 'outcome') ~= 'running' then return 0 end
+if redis.call('HGET', KEYS[1], 'phase') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'phase', ARGV[2], 'record', ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
+return 1
+"""
+
+_FINISH = """
+-- KEYS: switch, node, unfinished, events
+-- ARGV: switch_id, outcome, phase, record_json, observed ("" keeps it), event_json, maxlen
+if redis.call('HGET', KEYS[1], 'outcome') ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'outcome', ARGV[2], 'phase', ARGV[3], 'record', ARGV[4])
+if redis.call('HGET', KEYS[2], 'current') == ARGV[1] then
+  redis.call('HSET', KEYS[2], 'current', '')
+end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[2], 'observed', ARGV[5], 'desired', ARGV[5]) end
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
+return 1
+"""
+
+_REGISTER = """
+-- KEYS: node, nodes, events;  ARGV: name, reg_json, lease_until, observed, event_json, maxlen
+redis.call('HSET', KEYS[1], 'reg', ARGV[2], 'lease_until', ARGV[3], 'health', 'ready')
+local cur = redis.call('HGET', KEYS[1], 'current')
+if not cur or cur == '' then
+  redis.call('HSET', KEYS[1], 'observed', ARGV[4], 'desired', ARGV[4], 'current', '')
+end
+redis.call('HSETNX', KEYS[1], 'epoch', 0)
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'e', ARGV[5])
+return redis.call('HGET', KEYS[1], 'epoch')
+"""
+
+_HEARTBEAT = """
+-- KEYS: node;  ARGV: lease_until, observed ("" keeps it), traffic_json
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'lease_until', ARGV[1], 'health', 'ready')
+local cur = redis.call('HGET', KEYS[1], 'current')
+if ARGV[2] ~= '' and (not cur or cur == '') then redis.call('HSET', KEYS[1], 'observed', ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'traffic', ARGV[3]) end
+return 1
+"""
+
+_EXPIRE = """
+-- KEYS: node, events;  ARGV: now, event_json, maxlen
+local until_ = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
+if redis.call('HGET', KEYS[1], 'health') == 'lost' or until_ >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'health', 'lost')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
+return 1
+"""
+
+
+def to_json(msg) -> str:
+    return json_format.MessageToJson(msg, indent=None, preserving_proto_field_name=True)
+
+
+def from_json(text: str, cls):
+    return json_format.Parse(text, cls(), ignore_unknown_fields=True)
+
+
+@dataclass
+class SwitchRow:
+    switch_id: str
+    node: str
+    record_json: str
+    phase: int
+    outcome: str
+    dispatched: bool
+    epoch: int
+    request_id: str
+
+
+class Store:
+    """Async access to the controller's Redis state. Raises Unavailable when Redis is down."""
+
+    def __init__(self, url: str, prefix: str = "remp:"):
+        self.url, self.p = url, prefix
+        self.r = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=5,
+                                         socket_connect_timeout=2, retry_on_timeout=False)
+        self._scripts = {name: self.r.register_script(src) for name, src in (
+            ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
+            ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
+            ("expire", _EXPIRE))}
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    # key helpers
+    def k_node(self, n: str) -> str: return f"{self.p}node:{n}"
+    def k_switch(self, s: str) -> str: return f"{self.p}switch:{s}"
+    def k_reqid(self, n: str, rid: str) -> str: return f"{self.p}reqid:{n}:{rid}" if rid else ""
+    def k_hist(self, n: str | None) -> str: return f"{self.p}history:{n}" if n else f"{self.p}history"
+    @property
+    def k_events(self) -> str: return f"{self.p}events"
+    @property
+    def k_unfinished(self) -> str: return f"{self.p}unfinished"
+    @property
+    def k_nodes(self) -> str: return f"{self.p}nodes"
+
+    async def _run(self, name: str, keys: list[str], args: list):
+        try:
+            return await self._scripts[name](keys=keys, args=args)
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
+            raise Unavailable(f"redis unavailable at {self.url}: {exc}") from exc
+
+    async def _call(self, coro):
+        try:
+            return await coro
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
+            raise Unavailable(f"redis unavailable at {self.url}: {exc}") from exc
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.r.ping())
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            return False
+
+    # ---------------------------------------------------------------- nodes
+    async def register(self, name: str, reg: controller_pb2.RegisterNodeRequest, lease_until: float,
+                       observed: str, event: controller_pb2.Event) -> int:
+        epoch = await self._run("register", [self.k_node(name), self.k_nodes, self.k_events],
+                                [name, to_json(reg), lease_until, observed, to_json(event),
+                                 EVENTS_MAXLEN])
+        return int(epoch or 0)
+
+    async def heartbeat(self, name: str, lease_until: float, observed: str, traffic: str) -> None:
+        ok = await self._run("heartbeat", [self.k_node(name)], [lease_until, observed, traffic])
+        if not ok:
+            raise NotFound(f"node {name!r} is not registered (register first)")
+
+    async def expire(self, name: str, now: float, event: controller_pb2.Event) -> bool:
+        return bool(await self._run("expire", [self.k_node(name), self.k_events],
+                                    [now, to_json(event), EVENTS_MAXLEN]))
+
+    async def node_names(self) -> list[str]:
+        return sorted(await self._call(self.r.smembers(self.k_nodes)))
+
+    async def node(self, name: str) -> dict[str, str] | None:
+        h = await self._call(self.r.hgetall(self.k_node(name)))
+        return h or None
+
+    async def nodes(self) -> dict[str, dict[str, str]]:
+        names = await self.node_names()
+        if not names:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(self.k_node(n))
+        rows = await self._call(pipe.execute())
+        return {n: h for n, h in zip(names, rows) if h}
+
+    # ---------------------------------------------------------------- switches
+    async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
+                    started: float, target: str, event: controller_pb2.Event) -> tuple[str, str]:
+        """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '')."""
+        res = await self._run("begin", [
+            self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
+            self.k_unfinished, self.k_hist(node), self.k_hist(None), self.k_events,
+        ], [switch_id, record_json, started, target, request_id, to_json(event), EVENTS_MAXLEN,
+            node, REQID_TTL_S])
+        return res[0], res[1]
+
+    async def noop(self, node: str, switch_id: str, request_id: str, record_json: str,
+                   started: float, event: controller_pb2.Event) -> tuple[str, str]:
+        res = await self._run("noop", [
+            self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
+            self.k_hist(node), self.k_hist(None), self.k_events,
+        ], [switch_id, record_json, started, node, request_id, to_json(event), EVENTS_MAXLEN,
+            REQID_TTL_S])
+        return res[0], res[1]
+
+    async def switch_for_request(self, node: str, request_id: str) -> str | None:
+        return await self._call(self.r.get(self.k_reqid(node, request_id)))
+
+    async def dispatch(self, switch_id: str) -> bool:
+        return bool(await self._run("dispatch", [self.k_switch(switch_id)], []))
+
+    async def advance(self, switch_id: str, expected_phase: int, new_phase: int,
+                      record_json: str, event: controller_pb2.Event) -> bool:
+        return bool(await self._run("advance", [self.k_switch(switch_id), self.k_events],
+                                    [expected_phase, new_phase, record_json, to_json(event),
+                                     EVENTS_MAXLEN]))
+
+    async def finish(self, switch_id: str, node: str, outcome: str, phase: int, record_json: str,
+                     observed: str, event: controller_pb2.Event) -> bool:
+        return bool(await self._run("finish", [
+            self.k_switch(switch_id), self.k_node(node), self.k_unfinished, self.k_events,
+        ], [switch_id, outcome, phase, record_json, observed, to_json(event), EVENTS_MAXLEN]))
+
+    async def switch(self, switch_id: str) -> SwitchRow | None:
+        h = await self._call(self.r.hgetall(self.k_switch(switch_id)))
+        if not h:
+            return None
+        return SwitchRow(switch_id, h.get("node", ""), h.get("record", "{}"), int(h.get("phase", 0)),
+                         h.get("outcome", ""), h.get("dispatched") == "1", int(h.get("epoch", 0)),
+                         h.get("request_id", ""))
+
+    async def unfinished(self) -> list[str]:
+        return sorted(await self._call(self.r.smembers(self.k_unfinished)))
+
+    async def history(self, node: str | None, offset: int, count: int) -> list[SwitchRow]:
+        ids = await self._call(self.r.zrevrange(self.k_hist(node), offset, offset + count - 1))
+        rows = []
+        for sid in ids:
+            row = await self.switch(sid)
+            if row is not None:
+                rows.append(row)
+        return rows
+
+    async def history_count(self, node: str | None) -> int:
+        return int(await self._call(self.r.zcard(self.k_hist(node))))
+
+    # ---------------------------------------------------------------- events
+    async def last_event_id(self) -> str:
+        last = await self._call(self.r.xrevrange(self.k_events, count=1))
+        return last[0][0] if last else "0-0"
+
+    async def read_events(self, after: str, block_ms: int, count: int = 100
+                          ) -> list[tuple[str, controller_pb2.Event]]:
+        res = await self._call(self.r.xread({self.k_events: after}, block=block_ms, count=count))
+        out = []
+        for _stream, entries in res or []:
+            for eid, fields in entries:
+                ev = from_json(fields["e"], controller_pb2.Event)
+                ev.id = eid
+                out.append((eid, ev))
+        return out
+
+
+def decode_reg(h: dict[str, str]) -> controller_pb2.RegisterNodeRequest:
+    return from_json(h.get("reg", "{}"), controller_pb2.RegisterNodeRequest)
+
+
+def check_found(h, name: str):
+    if h is None:
+        raise NotFound(f"unknown node {name!r} (ListNodes shows the registered ones)")
+    return h
+

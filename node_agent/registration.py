@@ -1,0 +1,93 @@
+"""Registration with the controller: RegisterNode once ready, then Heartbeat every third of the
+lease; re-register when the controller forgot us (NOT_FOUND) and retry with backoff while it is
+unreachable. The agent keeps serving whatever happens here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from node_agent import convert
+from remp import logs
+from remp.common.v1 import types_pb2
+from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.grpc_util import channel_options
+
+if TYPE_CHECKING:
+    from node_agent.agent import NodeAgent
+
+log = logs.get_logger("remp.node_agent")
+
+
+def measured_bandwidths(agent: "NodeAgent") -> tuple[float, float]:
+    """Bytes/s of KV migration and of shard reload over this agent's succeeded switches (the
+    warm-up visits included): what the controller's planner predicts with."""
+    kv_b = kv_s = w_b = w_s = 0.0
+    for rec in agent.records.values():
+        if rec.outcome != "succeeded":
+            continue
+        secs = rec.phase_seconds()
+        kv_b += rec.kv_bytes_moved
+        kv_s += secs.get("MIGRATE_KV", 0.0)
+        w_b += rec.weight_bytes_loaded
+        w_s += secs.get("RELOAD_SHARDS", 0.0)
+    return (kv_b / kv_s if kv_s else 0.0, w_b / w_s if w_s else 0.0)
+
+
+def register_request(agent: "NodeAgent", agent_address: str) -> controller_pb2.RegisterNodeRequest:
+    cfg = agent.cfg
+    kv_bw, w_bw = measured_bandwidths(agent)
+    return controller_pb2.RegisterNodeRequest(
+        node=cfg.settings.node, agent_address=agent_address, http_address=agent.http_address,
+        topology=convert.topology_to_proto(agent.topology),
+        candidates=[convert.topology_to_proto(t) for t in cfg.candidates],
+        host=convert.host_to_proto(cfg.host),
+        model=convert.model_to_proto(cfg.model, cfg.dtype, cfg.settings.max_model_len),
+        kv_bandwidth_bps=kv_bw, weight_bandwidth_bps=w_bw)
+
+
+def heartbeat_request(agent: "NodeAgent") -> controller_pb2.HeartbeatRequest:
+    at = Timestamp()
+    at.FromNanoseconds(time.time_ns())
+    traffic = types_pb2.TrafficSample(at=at)
+    return controller_pb2.HeartbeatRequest(
+        node=agent.cfg.settings.node, topology=convert.topology_to_proto(agent.topology),
+        engine_status=convert.ENGINE_STATUS.get(agent.status, 0), traffic=traffic)
+
+
+async def keep_registered(agent: "NodeAgent", controller: str, agent_address: str,
+                          token: str | None) -> None:
+    md = (("authorization", f"Bearer {token}"),) if token else None
+    backoff = 0.5
+    async with grpc.aio.insecure_channel(controller, options=channel_options()) as ch:
+        stub = controller_pb2_grpc.ControllerStub(ch)
+        registered, lease = False, 10.0
+        while True:
+            try:
+                if not registered:
+                    r = await stub.RegisterNode(register_request(agent, agent_address),
+                                                metadata=md, timeout=5)
+                    lease, registered, backoff = r.lease_seconds or lease, True, 0.5
+                    log.info("agent.registered", controller=controller, lease_s=lease)
+                else:
+                    r = await stub.Heartbeat(heartbeat_request(agent), metadata=md, timeout=5)
+                    lease = r.lease_seconds or lease
+                await asyncio.sleep(max(0.1, lease / 3))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    registered = False  # the controller forgot us (new Redis): register again
+                    continue
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+                    log.error("agent.registration_refused", code=exc.code().name,
+                              detail=exc.details())
+                    await asyncio.sleep(30)
+                    continue
+                log.warning("agent.controller_unreachable", controller=controller,
+                            code=exc.code().name, retry_s=backoff)
+                registered = False if exc.code() == grpc.StatusCode.UNAVAILABLE else registered
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
