@@ -473,6 +473,25 @@ class Controller:
         nxt = str(offset + size) if offset + size < total else ""
         return [from_json(r.record_json, types_pb2.SwitchRecord) for r in rows], nxt
 
+    async def traffic(self, name: str, since: float, limit: int) -> list[types_pb2.TrafficSample]:
+        await self._node(name)
+        out = [from_json(t, types_pb2.TrafficSample) for t in await self.store.traffic(name, limit)]
+        if since:
+            out = [t for t in out if t.at.ToNanoseconds() / 1e9 > since]
+        return out
+
+    async def record_recommendation(self, name: str, recommended: types_pb2.Topology,
+                                    reason: str, decision_id: str) -> None:
+        _, reg = await self._node(name)
+        _check_topology_fields(recommended)
+        text = f"{topo_str(recommended)}: {reason}" if reason else topo_str(recommended)
+        ev = self._event(controller_pb2.EVENT_TYPE_RECOMMENDATION, name, detail=text)
+        ev.record.to_topology.CopyFrom(recommended)
+        ev.record.reason = reason
+        ev.record.switch_id = decision_id
+        if not await self.store.recommend(name, text, ev):
+            raise NotFound(f"unknown node {name!r}")
+
     # ------------------------------------------------------------------ events
     def _event(self, etype, node: str, switch_id: str = "", phase: int = 0,
                rec: types_pb2.SwitchRecord | None = None, detail: str = ""

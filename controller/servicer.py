@@ -93,3 +93,16 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         recs, nxt = await self.core.list_switches(request.node, request.page_size,
                                                   request.page_token)
         return controller_pb2.ListSwitchesResponse(switches=recs, next_page_token=nxt)
+
+    @rpc_errors
+    async def GetTraffic(self, request, context):
+        since = request.since.ToNanoseconds() / 1e9 if request.HasField("since") else 0.0
+        return controller_pb2.GetTrafficResponse(
+            samples=await self.core.traffic(request.node, since, request.limit))
+
+    @rpc_errors
+    async def RecordRecommendation(self, request, context):
+        _check_token(context, self.token)
+        await self.core.record_recommendation(request.node, request.recommended, request.reason,
+                                              request.decision_id)
+        return controller_pb2.RecordRecommendationResponse()

@@ -27,6 +27,7 @@ from remp.controller.v1 import controller_pb2
 from remp.errors import NotFound, Unavailable
 
 EVENTS_MAXLEN = 100_000
+TRAFFIC_KEEP = 20_000  # heartbeat samples kept per node (a week at 30 s)
 REQID_TTL_S = 7 * 24 * 3600
 
 _BEGIN = """
@@ -113,12 +114,24 @@ return redis.call('HGET', KEYS[1], 'epoch')
 """
 
 _HEARTBEAT = """
--- KEYS: node;  ARGV: lease_until, observed ("" keeps it), traffic_json
+-- KEYS: node, traffic list;  ARGV: lease_until, observed ("" keeps it), traffic_json, keep
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'lease_until', ARGV[1], 'health', 'ready')
 local cur = redis.call('HGET', KEYS[1], 'current')
 if ARGV[2] ~= '' and (not cur or cur == '') then redis.call('HSET', KEYS[1], 'observed', ARGV[2]) end
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'traffic', ARGV[3]) end
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'traffic', ARGV[3])
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
+end
+return 1
+"""
+
+_RECOMMEND = """
+-- KEYS: node, events;  ARGV: text, event_json, maxlen
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'recommendation', ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
 return 1
 """
 
@@ -162,7 +175,7 @@ class Store:
         self._scripts = {name: self.r.register_script(src) for name, src in (
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
             ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
-            ("expire", _EXPIRE))}
+            ("expire", _EXPIRE), ("recommend", _RECOMMEND))}
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -171,6 +184,7 @@ class Store:
     def k_node(self, n: str) -> str: return f"{self.p}node:{n}"
     def k_switch(self, s: str) -> str: return f"{self.p}switch:{s}"
     def k_reqid(self, n: str, rid: str) -> str: return f"{self.p}reqid:{n}:{rid}" if rid else ""
+    def k_traffic(self, n: str) -> str: return f"{self.p}traffic:{n}"
     def k_hist(self, n: str | None) -> str: return f"{self.p}history:{n}" if n else f"{self.p}history"
     @property
     def k_events(self) -> str: return f"{self.p}events"
@@ -206,9 +220,17 @@ class Store:
         return int(epoch or 0)
 
     async def heartbeat(self, name: str, lease_until: float, observed: str, traffic: str) -> None:
-        ok = await self._run("heartbeat", [self.k_node(name)], [lease_until, observed, traffic])
+        ok = await self._run("heartbeat", [self.k_node(name), self.k_traffic(name)],
+                             [lease_until, observed, traffic, TRAFFIC_KEEP])
         if not ok:
             raise NotFound(f"node {name!r} is not registered (register first)")
+
+    async def traffic(self, name: str, limit: int) -> list[str]:
+        return await self._call(self.r.lrange(self.k_traffic(name), -limit if limit else 0, -1))
+
+    async def recommend(self, name: str, text: str, event: controller_pb2.Event) -> bool:
+        return bool(await self._run("recommend", [self.k_node(name), self.k_events],
+                                    [text, to_json(event), EVENTS_MAXLEN]))
 
     async def expire(self, name: str, now: float, event: controller_pb2.Event) -> bool:
         return bool(await self._run("expire", [self.k_node(name), self.k_events],

@@ -50,10 +50,37 @@ def register_request(agent: "NodeAgent", agent_address: str) -> controller_pb2.R
         kv_bandwidth_bps=kv_bw, weight_bandwidth_bps=w_bw)
 
 
-def heartbeat_request(agent: "NodeAgent") -> controller_pb2.HeartbeatRequest:
-    at = Timestamp()
-    at.FromNanoseconds(time.time_ns())
-    traffic = types_pb2.TrafficSample(at=at)
+class TrafficWindow:
+    """Turns vLLM's cumulative counters into per-heartbeat-window samples."""
+
+    def __init__(self):
+        from node_agent.engine_plugin import traffic_counters
+
+        self._read = traffic_counters
+        self._last, self._t = self._read(), time.monotonic()
+
+    async def sample(self, agent: "NodeAgent") -> types_pb2.TrafficSample:
+        now, cur = time.monotonic(), self._read()
+        delta = {k: max(0.0, cur[k] - self._last.get(k, 0.0)) for k in cur}
+        window, self._last, self._t = now - self._t, cur, now
+        running = waiting = 0
+        if agent.status == "serving" and agent.engine is not None and agent.current is None:
+            try:
+                info = await asyncio.wait_for(agent.engine.engine_info(), timeout=2)
+                running, waiting = info["running"], info["waiting"]
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
+        at = Timestamp()
+        at.FromNanoseconds(time.time_ns())
+        return types_pb2.TrafficSample(
+            at=at, window_seconds=window, requests=int(delta["requests"]),
+            input_tokens=int(delta["input_tokens"]), output_tokens=int(delta["output_tokens"]),
+            running=running, waiting=waiting)
+
+
+async def heartbeat_request(agent: "NodeAgent", window: TrafficWindow
+                            ) -> controller_pb2.HeartbeatRequest:
+    traffic = await window.sample(agent)
     return controller_pb2.HeartbeatRequest(
         node=agent.cfg.settings.node, topology=convert.topology_to_proto(agent.topology),
         engine_status=convert.ENGINE_STATUS.get(agent.status, 0), traffic=traffic)
@@ -63,6 +90,7 @@ async def keep_registered(agent: "NodeAgent", controller: str, agent_address: st
                           token: str | None) -> None:
     md = (("authorization", f"Bearer {token}"),) if token else None
     backoff = 0.5
+    window = TrafficWindow()
     async with grpc.aio.insecure_channel(controller, options=channel_options()) as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
         registered, lease = False, 10.0
@@ -74,7 +102,7 @@ async def keep_registered(agent: "NodeAgent", controller: str, agent_address: st
                     lease, registered, backoff = r.lease_seconds or lease, True, 0.5
                     log.info("agent.registered", controller=controller, lease_s=lease)
                 else:
-                    r = await stub.Heartbeat(heartbeat_request(agent), metadata=md, timeout=5)
+                    r = await stub.Heartbeat(await heartbeat_request(agent, window), metadata=md, timeout=5)
                     lease = r.lease_seconds or lease
                 await asyncio.sleep(max(0.1, lease / 3))
             except grpc.aio.AioRpcError as exc:

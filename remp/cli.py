@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     _agent_parser(sub)
     _controller_parser(sub)
     _make_model_parser(sub)
+    sub.add_parser("policy", help="the policy service: evaluate | serve | ... "
+                   "(remp policy --help)", add_help=False)
     return ap
 
 
@@ -171,6 +173,11 @@ def cmd_controller(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["policy"]:  # the policy service owns its sub-commands (policy/cli.py)
+        from policy.cli import main as policy_main
+
+        return policy_main(argv[1:])
     a = build_parser().parse_args(argv)
     return {"agent": cmd_agent, "controller": cmd_controller,
             "make-model": cmd_make_model}[a.cmd](a)

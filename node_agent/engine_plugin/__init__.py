@@ -88,6 +88,26 @@ class VllmInternalsMoved(RuntimeError):
     """An internal of vLLM that remp relies on is missing: the installed vLLM is not 0.32.0."""
 
 
+# vLLM's own Prometheus counters in this (front-end) process: what the heartbeat reports as
+# traffic. Names are vLLM's public metrics (stable across releases, unlike its internals).
+TRAFFIC_METRICS = {"requests": "vllm:request_success", "input_tokens": "vllm:prompt_tokens",
+                   "output_tokens": "vllm:generation_tokens"}
+
+
+def traffic_counters() -> dict[str, float]:
+    """Cumulative finished requests and prompt / generated tokens since the engine started."""
+    from prometheus_client import REGISTRY
+
+    out = dict.fromkeys(TRAFFIC_METRICS, 0.0)
+    want = {v: k for k, v in TRAFFIC_METRICS.items()}
+    for fam in REGISTRY.collect():
+        key = want.get(fam.name)
+        if key is None:
+            continue
+        out[key] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    return out
+
+
 def check_internals() -> str:
     """Resolve every internal remp uses; raise :class:`VllmInternalsMoved` listing what moved."""
     import vllm

@@ -195,3 +195,26 @@ def test_redis_down_mutations_unavailable_reads_stale(artifacts_dir):
             code, _ = code_of(s.GetState, controller_pb2.GetStateRequest(node="never-seen"),
                               timeout=10)
             assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_traffic_and_recommendations(stub, ctl):
+    from google.protobuf.timestamp_pb2 import Timestamp
+    stub.RegisterNode(reg("a8"), metadata=MD, timeout=5)
+    for i in range(3):
+        at = Timestamp()
+        at.FromSeconds(1_700_000_000 + 30 * i)
+        stub.Heartbeat(controller_pb2.HeartbeatRequest(
+            node="a8", traffic=types_pb2.TrafficSample(at=at, window_seconds=30, requests=10 + i)),
+            metadata=MD, timeout=5)
+    got = stub.GetTraffic(controller_pb2.GetTrafficRequest(node="a8"), timeout=5).samples
+    assert [s.requests for s in got] == [10, 11, 12]
+    got = stub.GetTraffic(controller_pb2.GetTrafficRequest(node="a8", limit=2), timeout=5).samples
+    assert [s.requests for s in got] == [11, 12]
+    code, _ = code_of(stub.RecordRecommendation, controller_pb2.RecordRecommendationRequest(
+        node="a8", recommended=types_pb2.Topology(tp=1, pp=2)), timeout=5)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    stub.RecordRecommendation(controller_pb2.RecordRecommendationRequest(
+        node="a8", recommended=types_pb2.Topology(tp=1, pp=2), reason="peak: +12% goodput"),
+        metadata=MD, timeout=5)
+    st = stub.GetState(controller_pb2.GetStateRequest(node="a8"), timeout=5)
+    assert st.recommendation == "TP1PP2: peak: +12% goodput"

@@ -83,7 +83,8 @@ def test_phase_order_matches_transaction():
 
 @pytest.mark.parametrize("mod,service,methods", [
     (controller_pb2, "Controller", {"Reconfigure", "Plan", "GetState", "ListNodes", "Watch", "Abort",
-                                    "GetSwitch", "ListSwitches", "RegisterNode", "Heartbeat"}),
+                                    "GetSwitch", "ListSwitches", "RegisterNode", "Heartbeat",
+                                    "GetTraffic", "RecordRecommendation"}),
     (node_agent_pb2, "NodeAgent", {"Describe", "ExecuteSwitch", "AbortSwitch", "GetSwitch"}),
     (policy_pb2, "Policy", {"GetForecast", "GetRecommendation", "SetMode", "ListDecisions"}),
 ])

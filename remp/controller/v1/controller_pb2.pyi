@@ -296,3 +296,35 @@ class ListSwitchesResponse(_message.Message):
     switches: _containers.RepeatedCompositeFieldContainer[_types_pb2.SwitchRecord]
     next_page_token: str
     def __init__(self, switches: _Optional[_Iterable[_Union[_types_pb2.SwitchRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class GetTrafficRequest(_message.Message):
+    __slots__ = ("node", "since", "limit")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    since: _timestamp_pb2.Timestamp
+    limit: int
+    def __init__(self, node: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class GetTrafficResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[_types_pb2.TrafficSample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[_types_pb2.TrafficSample, _Mapping]]] = ...) -> None: ...
+
+class RecordRecommendationRequest(_message.Message):
+    __slots__ = ("node", "recommended", "reason", "decision_id")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RECOMMENDED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    recommended: _types_pb2.Topology
+    reason: str
+    decision_id: str
+    def __init__(self, node: _Optional[str] = ..., recommended: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., reason: _Optional[str] = ..., decision_id: _Optional[str] = ...) -> None: ...
+
+class RecordRecommendationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -85,6 +85,16 @@ class ControllerStub:
                 request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListSwitchesRequest.SerializeToString,
                 response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListSwitchesResponse.FromString,
                 _registered_method=True)
+        self.GetTraffic = channel.unary_unary(
+                '/remp.controller.v1.Controller/GetTraffic',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.GetTrafficRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.GetTrafficResponse.FromString,
+                _registered_method=True)
+        self.RecordRecommendation = channel.unary_unary(
+                '/remp.controller.v1.Controller/RecordRecommendation',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -153,6 +163,21 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTraffic(self, request, context):
+        """Traffic the node's agent reported with its heartbeats (oldest first): the policy's input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordRecommendation(self, request, context):
+        """The policy records an advisory recommendation; GetState and the dashboard show it and
+        Watch streams it (EVENT_TYPE_RECOMMENDATION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -205,6 +230,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ListSwitches,
                     request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListSwitchesRequest.FromString,
                     response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListSwitchesResponse.SerializeToString,
+            ),
+            'GetTraffic': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTraffic,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.GetTrafficRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.GetTrafficResponse.SerializeToString,
+            ),
+            'RecordRecommendation': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordRecommendation,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -477,6 +512,60 @@ class Controller:
             '/remp.controller.v1.Controller/ListSwitches',
             remp_dot_controller_dot_v1_dot_controller__pb2.ListSwitchesRequest.SerializeToString,
             remp_dot_controller_dot_v1_dot_controller__pb2.ListSwitchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTraffic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/GetTraffic',
+            remp_dot_controller_dot_v1_dot_controller__pb2.GetTrafficRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.GetTrafficResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordRecommendation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/RecordRecommendation',
+            remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationResponse.FromString,
             options,
             channel_credentials,
             insecure,
