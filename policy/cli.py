@@ -1,7 +1,10 @@
-"""``remp policy …`` commands (I/O edge: reads the trace and profile, prints the result).
+"""``remp policy …`` commands (I/O edge).
 
-    python -m policy.cli evaluate --trace FILE [--format F] [--window-s S] --profile P
+    remp policy evaluate --trace FILE [--format F] [--window-s S] --profile P
         [--peak-utilization 0.9] [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--json]
+    remp policy serve --controller HOST:PORT [--profile P] [--mode advisory|auto|off] ...
+        (every option also as REMP_POLICY_<NAME>, e.g. REMP_POLICY_TICK_SECONDS)
+    remp policy profile --agent HOST:PORT [--http URL] --out FILE.json [--name N] ...
 
 With ``--json`` the last stdout line is one JSON object with exactly the keys goodput,
 slo_attainment, switches_per_day, forecast_error, auto_vs_oracle. Errors: one line
@@ -39,7 +42,63 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-switches-per-day", type=int, default=PolicyConfig.max_switches_per_day)
     ev.add_argument("--horizon-s", type=float, default=PolicyConfig.horizon_s)
     ev.add_argument("--json", action="store_true", help="last line: one JSON object")
+    _serve_parser(sub)
+    _profile_parser(sub)
     return p
+
+
+def _serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="run the Policy gRPC service (forecast, decide, act by mode)",
+                        description="Run the policy service. Every option can also be set as "
+                                    "REMP_POLICY_<OPTION> (e.g. REMP_POLICY_CONTROLLER).")
+    sv.add_argument("--host")
+    sv.add_argument("--port", type=int)
+    sv.add_argument("--controller", help="controller host:port")
+    sv.add_argument("--token", help="bearer token the controller requires")
+    sv.add_argument("--controller-timeout-s", type=float)
+    sv.add_argument("--redis-url", help="keep decisions and modes in Redis (unset: in memory)")
+    sv.add_argument("--redis-prefix")
+    sv.add_argument("--profile", help=f"built-in ({', '.join(BUILTIN_PROFILES)}) or a measured "
+                    "profile JSON file")
+    sv.add_argument("--slo-ttft-ms", type=float)
+    sv.add_argument("--slo-tpot-ms", type=float)
+    sv.add_argument("--mode", help="initial mode: auto | advisory (default) | off")
+    sv.add_argument("--tick-seconds", type=float)
+    sv.add_argument("--window-seconds", type=float)
+    sv.add_argument("--horizon-seconds", type=float)
+    sv.add_argument("--min-dwell-seconds", type=float)
+    sv.add_argument("--max-switches-per-day", type=int)
+    sv.add_argument("--hysteresis", type=float)
+    sv.add_argument("--dwell-override", type=float)
+    sv.add_argument("--retry-backoff-seconds", type=float)
+    sv.add_argument("--max-decisions", type=int)
+
+
+def _profile_parser(sub) -> None:
+    pr = sub.add_parser("profile", help="measure a per-topology profile on a live node agent",
+                        description="Switch a node agent through each candidate topology and "
+                        "measure TTFT, TPOT and throughput over a sweep of offered load; write a "
+                        "measured profile JSON. Use an agent no controller is switching.")
+    pr.add_argument("--agent", required=True, help="node agent gRPC host:port")
+    pr.add_argument("--http", help="OpenAI API base URL (default: what the agent reports)")
+    pr.add_argument("--out", required=True, help="profile JSON file to write")
+    pr.add_argument("--name", help="profile name (default: the file name)")
+    pr.add_argument("--topologies", help="comma-separated, e.g. TP2PP1,TP1PP2 (default: every "
+                    "candidate with the current world size)")
+    pr.add_argument("--fractions", default="0.1,0.3,0.5,0.7,0.85",
+                    help="offered load points as fractions of the measured capacity")
+    pr.add_argument("--point-seconds", type=float, default=6.0)
+    pr.add_argument("--warmup-seconds", type=float, default=1.5)
+    pr.add_argument("--capacity-seconds", type=float, default=6.0)
+    pr.add_argument("--concurrency", type=int, default=8,
+                    help="closed-loop clients for the capacity measurement")
+    pr.add_argument("--input-words", type=int, default=24)
+    pr.add_argument("--output-tokens", type=int, default=16)
+    pr.add_argument("--model", default="tiny", help="served model name")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--slo-ttft-ms", type=float, help="default SLO stored in the profile "
+                    "(default: 3x the best lowest-load p90)")
+    pr.add_argument("--slo-tpot-ms", type=float)
 
 
 def _table(ev) -> str:  # noqa: ANN001 - Evaluation
@@ -58,8 +117,91 @@ def _table(ev) -> str:  # noqa: ANN001 - Evaluation
     return "\n".join(lines)
 
 
+def _fail(message: str, code: int = 2) -> int:
+    print(f"remp: error: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from policy.config import PolicySettings
+    from remp import logs
+    from remp.errors import ConfigError
+
+    fields = {k.replace("-", "_"): v for k, v in vars(args).items()
+              if v is not None and k != "command"}
+    try:
+        settings = PolicySettings(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "settings"
+        return _fail(f"invalid setting {where}: {err['msg']}")
+    try:
+        logs.configure(node="policy")
+    except ValueError as exc:
+        return _fail(str(exc))
+    from policy import server
+
+    try:
+        return asyncio.run(server.serve(settings))
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(str(exc), 1)
+
+
+def cmd_profile(args) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from policy.profiler import SweepConfig, dumps, profile_agent
+    from remp import logs
+    from remp.errors import RempError
+    from remp.topology import Topology
+
+    try:
+        cfg = SweepConfig(fractions=tuple(float(x) for x in args.fractions.split(",") if x.strip()),
+                          point_s=args.point_seconds, warmup_s=args.warmup_seconds,
+                          capacity_s=args.capacity_seconds, concurrency=args.concurrency,
+                          input_words=args.input_words, output_tokens=args.output_tokens,
+                          seed=args.seed, model=args.model)
+        topos = ([Topology.parse(t) for t in args.topologies.split(",") if t.strip()]
+                 if args.topologies else None)
+        slo = None
+        if args.slo_ttft_ms or args.slo_tpot_ms:
+            if not (args.slo_ttft_ms and args.slo_tpot_ms):
+                raise ValueError("give both --slo-ttft-ms and --slo-tpot-ms, or neither")
+            slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    except ValueError as exc:
+        return _fail(str(exc))
+    out = Path(args.out)
+    logs.configure(node="profile")
+    try:
+        prof = asyncio.run(profile_agent(args.agent, args.http, cfg, args.name or out.stem,
+                                         topos, slo))
+    except (RempError, ValueError, OSError) as exc:
+        return _fail(str(exc), 1)
+    out.write_text(dumps(prof))
+    for c in prof.curves:
+        print(f"{c.topology}: capacity {c.capacity_rps:.3g} req/s; TTFT p50 "
+              f"{c.ttft_p50_s[0] * 1e3:.1f}..{c.ttft_p50_s[-1] * 1e3:.1f} ms, TPOT p50 "
+              f"{c.tpot_p50_s[0] * 1e3:.2f}..{c.tpot_p50_s[-1] * 1e3:.2f} ms over "
+              f"{c.load_rps[0]:.3g}..{c.load_rps[-1]:.3g} req/s")
+    print(f"switch downtime {prof.switch_downtime_s:.3f} s; default SLO TTFT "
+          f"{prof.default_slo.ttft_s * 1e3:.0f} ms, TPOT {prof.default_slo.tpot_s * 1e3:.1f} ms; "
+          f"wrote {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "profile":
+        return cmd_profile(args)
     try:
         series = read_trace(args.trace, args.format, args.window_s)
         profile = load_profile(args.profile)

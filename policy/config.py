@@ -1,0 +1,56 @@
+"""The policy service's one typed configuration (``remp policy serve ...`` or ``REMP_POLICY_*``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from policy.decide import PolicyConfig
+
+MODES = ("auto", "advisory", "off")
+
+
+class PolicySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REMP_POLICY_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(50071, ge=0, le=65535)
+    controller: str = Field(description="controller host:port (GetTraffic, Reconfigure, ...)")
+    token: str | None = Field(None, description="bearer token the controller requires")
+    controller_timeout_s: float = Field(10.0, gt=0, description="deadline of every controller call")
+    redis_url: str | None = Field(None, description="keep decisions and modes in Redis; unset: "
+                                  "in memory only")
+    redis_prefix: str = "remp:policy:"
+    profile: str = Field("h200x8-analytic", description="built-in profile name or a measured "
+                         "profile JSON file")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target (default: the profile's)")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target (default: the profile's)")
+    mode: Literal["auto", "advisory", "off"] = Field("advisory", description="initial mode of "
+                                                     "every node")
+    tick_seconds: float = Field(5.0, gt=0, description="how often the loop reads traffic and decides")
+    window_seconds: float = Field(60.0, gt=0, description="traffic is aggregated into windows of "
+                                  "this length; the forecasters see one rate per window")
+    horizon_seconds: float = Field(PolicyConfig.horizon_s, gt=0)
+    min_dwell_seconds: float = Field(PolicyConfig.min_dwell_s, ge=0)
+    max_switches_per_day: int = Field(PolicyConfig.max_switches_per_day, ge=0)
+    hysteresis: float = Field(PolicyConfig.hysteresis, ge=0)
+    dwell_override: float = Field(PolicyConfig.dwell_override, gt=0)
+    retry_backoff_seconds: float = Field(30.0, ge=0, description="after a Reconfigure that did not "
+                                         "get an answer, wait this long before asking again (same "
+                                         "request id)")
+    max_decisions: int = Field(50_000, ge=10, description="decisions kept (memory and Redis)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicySettings":
+        if not self.controller.strip():
+            raise ValueError("controller must be host:port")
+        if self.horizon_seconds < self.window_seconds:
+            raise ValueError("horizon_seconds must be at least one window_seconds")
+        return self
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(horizon_s=self.horizon_seconds, min_dwell_s=self.min_dwell_seconds,
+                            max_switches_per_day=self.max_switches_per_day,
+                            hysteresis=self.hysteresis, dwell_override=self.dwell_override)

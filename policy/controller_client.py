@@ -1,0 +1,111 @@
+"""The policy's client of the controller (I/O edge behind ``policy.service.ControllerPort``):
+one grpc.aio channel, a deadline on every call, the bearer token on mutating calls, and gRPC
+statuses turned back into the typed ``remp.errors`` (one table)."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from policy.service import NodeView, ReconfigureResult, Sample
+from remp.common.v1 import types_pb2
+from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError,
+                         Unauthenticated, Unavailable)
+from remp.grpc_util import channel_options
+from remp.topology import Topology
+
+_ERRORS: dict[grpc.StatusCode, type[RempError]] = {
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+_HEALTH = {
+    controller_pb2.NODE_HEALTH_READY: "ready",
+    controller_pb2.NODE_HEALTH_SWITCHING: "switching",
+    controller_pb2.NODE_HEALTH_LOST: "lost",
+    controller_pb2.NODE_HEALTH_DRAINING: "switching",
+}
+
+
+def _typed(exc: grpc.aio.AioRpcError, address: str) -> RempError:
+    cls = _ERRORS.get(exc.code(), Unavailable)  # anything else: the controller misbehaves
+    detail = exc.details() or exc.code().name
+    if cls is Unavailable and exc.code() != grpc.StatusCode.UNAVAILABLE:
+        detail = f"controller at {address}: {exc.code().name} {detail}"
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in detail.lower():
+        detail = f"controller at {address} unreachable: {detail}"
+    return cls(detail)
+
+
+def topo_to_proto(t: Topology) -> types_pb2.Topology:
+    return types_pb2.Topology(tp=t.tp, pp=t.pp)
+
+
+def _topo(t: types_pb2.Topology) -> Topology | None:
+    return Topology(t.tp, t.pp) if t.tp and t.pp else None
+
+
+def node_view(st: controller_pb2.NodeState) -> NodeView:
+    return NodeView(st.node, _topo(st.observed),
+                    tuple(t for t in (_topo(c) for c in st.candidates) if t is not None),
+                    _HEALTH.get(st.health, "unknown") if not st.HasField("current_switch")
+                    else "switching", st.recommendation)
+
+
+def sample_of(t: types_pb2.TrafficSample) -> Sample:
+    return Sample(t.at.ToNanoseconds() / 1e9, t.window_seconds, t.requests, t.input_tokens,
+                  t.output_tokens, t.running, t.waiting)
+
+
+def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
+    at = Timestamp()
+    at.FromNanoseconds(int(s.at_s * 1e9))
+    return types_pb2.TrafficSample(at=at, window_seconds=s.window_s, requests=s.requests,
+                                   input_tokens=s.input_tokens, output_tokens=s.output_tokens,
+                                   running=s.running, waiting=s.waiting)
+
+
+class GrpcController:
+    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0):
+        self.address, self.timeout = address, timeout
+        self.md = (("authorization", f"Bearer {token}"),) if token else None
+        self._ch = grpc.aio.insecure_channel(address, options=channel_options())
+        self.stub = controller_pb2_grpc.ControllerStub(self._ch)
+
+    async def close(self) -> None:
+        await self._ch.close()
+
+    async def _call(self, method, req, mutating: bool = False):
+        try:
+            return await method(req, timeout=self.timeout, metadata=self.md if mutating else None)
+        except grpc.aio.AioRpcError as exc:
+            raise _typed(exc, self.address) from None
+
+    async def list_nodes(self) -> list[NodeView]:
+        r = await self._call(self.stub.ListNodes, controller_pb2.ListNodesRequest())
+        return [node_view(st) for st in r.nodes]
+
+    async def traffic(self, node: str, since_s: float | None, limit: int) -> list[Sample]:
+        req = controller_pb2.GetTrafficRequest(node=node, limit=limit)
+        if since_s is not None:
+            req.since.FromNanoseconds(int(since_s * 1e9))
+        r = await self._call(self.stub.GetTraffic, req)
+        return [sample_of(t) for t in r.samples]
+
+    async def reconfigure(self, node: str, target: Topology, request_id: str,
+                          reason: str) -> ReconfigureResult:
+        r = await self._call(self.stub.Reconfigure, controller_pb2.ReconfigureRequest(
+            node=node, target=topo_to_proto(target), request_id=request_id, reason=reason),
+            mutating=True)
+        return ReconfigureResult(r.switch_id, r.noop, r.duplicate)
+
+    async def record_recommendation(self, node: str, recommended: Topology, reason: str,
+                                    decision_id: str) -> None:
+        await self._call(self.stub.RecordRecommendation,
+                         controller_pb2.RecordRecommendationRequest(
+                             node=node, recommended=topo_to_proto(recommended), reason=reason,
+                             decision_id=decision_id), mutating=True)

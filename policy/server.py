@@ -1,0 +1,81 @@
+"""``remp policy serve``: the Policy gRPC service (reflection, grpc.health.v1) and its tick loop.
+
+SIGTERM/SIGINT → NOT_SERVING → the loop stops → ``server.stop(grace)`` → channels closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from policy.config import PolicySettings
+from policy.controller_client import GrpcController
+from policy.profiles import SLO, load_profile
+from policy.service import PolicyService
+from policy.servicer import PolicyServicer
+from policy.store import RedisDecisionStore
+from remp import logs
+from remp.errors import ConfigError
+from remp.grpc_util import make_server, set_serving
+from remp.policy.v1 import policy_pb2_grpc
+
+SERVICE_NAME = "remp.policy.v1.Policy"
+log = logs.get_logger("remp.policy")
+
+
+def build_service(s: PolicySettings) -> tuple[PolicyService, GrpcController,
+                                               RedisDecisionStore | None]:
+    try:
+        profile = load_profile(s.profile)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    d = profile.default_slo
+    slo = SLO(s.slo_ttft_ms / 1e3 if s.slo_ttft_ms else d.ttft_s,
+              s.slo_tpot_ms / 1e3 if s.slo_tpot_ms else d.tpot_s)
+    ctl = GrpcController(s.controller, s.token, s.controller_timeout_s)
+    store = RedisDecisionStore(s.redis_url, s.redis_prefix) if s.redis_url else None
+    svc = PolicyService(profile, ctl, slo=slo, config=s.policy_config(),
+                        window_s=s.window_seconds, default_mode=s.mode, store=store,
+                        retry_backoff_s=s.retry_backoff_seconds, max_decisions=s.max_decisions)
+    return svc, ctl, store
+
+
+async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None, bound: list[int] | None = None) -> int:
+    svc, ctl, store = build_service(s)
+    server, health, port = make_server([SERVICE_NAME], s.host, s.port)
+    if bound is not None:
+        bound.append(port)
+    policy_pb2_grpc.add_PolicyServicer_to_server(PolicyServicer(svc), server)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await server.start()
+    ticker = None
+    try:
+        await svc.start()
+        ticker = asyncio.create_task(svc.run(s.tick_seconds, stop))
+        await set_serving(health, [SERVICE_NAME], True)
+        log.info("policy.ready", grpc=f"{s.host}:{port}", controller=s.controller,
+                 profile=svc.profile.name, profile_kind=svc.profile.kind, mode=s.mode,
+                 tick_s=s.tick_seconds, window_s=s.window_seconds,
+                 slo_ttft_ms=svc.slo.ttft_s * 1e3, slo_tpot_ms=svc.slo.tpot_s * 1e3,
+                 redis=s.redis_url or "none (decisions in memory)")
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    finally:
+        stop.set()
+        await set_serving(health, [SERVICE_NAME], False)
+        if ticker is not None:
+            await ticker
+        await server.stop(grace=2)
+        await ctl.close()
+        if store is not None:
+            await store.close()
+        log.info("policy.stopped")
+    return 0
