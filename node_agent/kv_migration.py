@@ -14,7 +14,9 @@ block id, dimension 1 the local KV head; whatever follows is moved as is. Only t
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,6 +52,104 @@ class TorchDistTransport:
     def wait(self, handles):
         for h in handles:
             h.wait()
+
+
+class LocalTransport:
+    """In-process transport for ranks emulated as threads of one process (benchmarks, tests).
+
+    Every rank gets an :meth:`endpoint`; an ``isend`` and the ``irecv`` with the same
+    ``(src, dst, tag)`` are paired in posting order and the data is copied once into the receive
+    buffer. On CUDA the copy is enqueued on the receiver's current stream after the sender's
+    stream reached the ``isend``; ``wait`` makes the caller's stream wait for the copy, so a send
+    buffer freed after ``wait`` is never reused too early. Nothing here blocks the GPU: ``wait``
+    blocks the calling thread only until its peer has posted the matching call.
+    """
+
+    def __init__(self, timeout_s: float = 120.0, copy: str = "memcpy"):
+        """``copy``: ``memcpy`` (``Tensor.copy_``: a copy-engine transfer on CUDA) or ``kernel``
+        (a bit-exact SM kernel, as NCCL's point-to-point over NVLink is: it does not queue behind
+        host→device DMAs on the copy engines)."""
+        if copy not in ("memcpy", "kernel"):
+            raise ValueError(f"LocalTransport copy must be memcpy or kernel, not {copy!r}")
+        self.timeout_s, self.copy = timeout_s, copy
+        self._lock = threading.Lock()
+        self._sends: dict[tuple[int, int, int], deque] = {}
+        self._recvs: dict[tuple[int, int, int], deque] = {}
+        self.bytes_copied = 0
+
+    def endpoint(self, rank: int) -> "_LocalEndpoint":
+        return _LocalEndpoint(self, rank)
+
+    def _post(self, op: "_LocalOp", mine: dict, theirs: dict) -> "_LocalOp":
+        with self._lock:
+            q = theirs.get(op.key)
+            if q:
+                peer = q.popleft()
+                send, recv = (op, peer) if op.is_send else (peer, op)
+                self._copy(send, recv)
+            else:
+                mine.setdefault(op.key, deque()).append(op)
+        return op
+
+    def _copy(self, send: "_LocalOp", recv: "_LocalOp") -> None:
+        if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
+            err = ValueError(f"LocalTransport {send.key}: sent {tuple(send.tensor.shape)} "
+                             f"{send.tensor.dtype}, receiver expects {tuple(recv.tensor.shape)} "
+                             f"{recv.tensor.dtype}")
+            send.error = recv.error = err
+        elif recv.tensor.is_cuda:
+            with torch.cuda.stream(recv.stream):
+                recv.stream.wait_event(send.ready)
+                src, dst = send.tensor, recv.tensor
+                if self.copy == "kernel" and src.is_contiguous() and dst.is_contiguous():
+                    torch.bitwise_or(src.view(torch.uint8), 0, out=dst.view(torch.uint8))
+                else:
+                    recv.tensor.copy_(send.tensor, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(recv.stream)
+            send.copied = recv.copied = done
+        else:
+            recv.tensor.copy_(send.tensor)
+        self.bytes_copied += _nbytes(recv.tensor)
+        send.matched.set()
+        recv.matched.set()
+
+
+class _LocalOp:
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int, int], is_send: bool):
+        self.tensor, self.key, self.is_send = tensor, key, is_send
+        self.matched = threading.Event()
+        self.error: BaseException | None = None
+        self.stream = self.ready = self.copied = None
+        if tensor.is_cuda:
+            self.stream = torch.cuda.current_stream(tensor.device)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)
+
+
+class _LocalEndpoint:
+    """One rank's view of a :class:`LocalTransport` (implements :class:`Transport`)."""
+
+    def __init__(self, hub: LocalTransport, rank: int):
+        self.hub, self.rank = hub, rank
+
+    def isend(self, tensor, dst, tag):
+        op = _LocalOp(tensor, (self.rank, dst, tag), True)
+        return self.hub._post(op, self.hub._sends, self.hub._recvs)
+
+    def irecv(self, tensor, src, tag):
+        op = _LocalOp(tensor, (src, self.rank, tag), False)
+        return self.hub._post(op, self.hub._recvs, self.hub._sends)
+
+    def wait(self, handles):
+        for h in handles:
+            if not h.matched.wait(self.hub.timeout_s):
+                raise TimeoutError(f"LocalTransport: rank {self.rank} waited "
+                                   f"{self.hub.timeout_s} s for {h.key} (peer never posted)")
+            if h.error is not None:
+                raise h.error
+            if h.copied is not None:
+                torch.cuda.current_stream(h.tensor.device).wait_event(h.copied)
 
 
 class InjectedFault(RuntimeError):
@@ -95,6 +195,7 @@ def migrate_kv(
     fail_after_layers: int | None = None,
     new_layers: dict[int, torch.Tensor] | None = None,
     done: list[int] | None = None,
+    staging_limit_bytes: int | None = None,
 ) -> tuple[dict[int, torch.Tensor], MigrationStats]:
     """Move KV from ``old_layers`` (global layer → tensor, this rank's old slices) into new tensors.
 
@@ -103,6 +204,9 @@ def migrate_kv(
     work to some global layers (rollback); ``fail_after_layers`` raises :class:`InjectedFault`
     after that many layers (test-only). On any error ``new_layers`` holds what was built so far
     and ``done`` (appended to as layers complete) says which layers fully moved.
+    ``staging_limit_bytes`` (default: no limit) moves each layer in chunks of blocks so that this
+    rank's staging buffers stay under about that many bytes (every rank must pass the same value);
+    the peak extra memory is then one new per-rank layer plus that limit.
     Returns (new layers of this rank, stats).
     """
     stats = MigrationStats()
@@ -126,40 +230,41 @@ def migrate_kv(
             new_layers[layer] = alloc_layer(layer)
         old_t = old_layers.get(layer)
         new_t = new_layers.get(layer)
-        handles, recvs, staging = [], [], 0
-        for s in slices:
-            if (s.src != rank and s.dst != rank) or ids.numel() == 0:
-                continue
-            if s.src == rank and s.dst == rank:
-                o_lo = old_view.local_head(s.head_start)
-                n_lo = new_view.local_head(s.head_start)
-                part = old_t[ids, o_lo:o_lo + s.heads]
-                new_t[ids, n_lo:n_lo + s.heads] = part
-                stats.bytes_copied_locally += _nbytes(part)
-                staging = max(staging, _nbytes(part))
-            elif s.src == rank:
-                o_lo = old_view.local_head(s.head_start)
-                buf = old_t[ids, o_lo:o_lo + s.heads].contiguous()
-                handles.append(transport.isend(buf, s.dst, tag=layer))
-                recvs.append((None, buf))  # keep the send buffer alive until waited
-                stats.bytes_sent += _nbytes(buf)
-                staging += _nbytes(buf)
-            else:
-                shape = (ids.numel(), s.heads, *new_t.shape[2:])
-                buf = torch.empty(shape, dtype=new_t.dtype, device=new_t.device)
-                handles.append(transport.irecv(buf, s.src, tag=layer))
-                recvs.append((s, buf))
-                stats.bytes_received += _nbytes(buf)
-                staging += _nbytes(buf)
-        current = sum(_nbytes(t) for t in old_layers.values()) + sum(
-            _nbytes(t) for t in new_layers.values())
-        stats.peak_extra_bytes = max(stats.peak_extra_bytes, current + staging - baseline)
-        transport.wait(handles)
-        for s, buf in recvs:
-            if s is not None:
-                n_lo = new_view.local_head(s.head_start)
-                new_t[ids, n_lo:n_lo + s.heads] = buf
-        del recvs, handles
+        for cids in _chunks(ids, old_view.num_kv_heads, old_t, new_t, staging_limit_bytes):
+            handles, recvs, staging = [], [], 0
+            for s in slices:
+                if (s.src != rank and s.dst != rank) or cids.numel() == 0:
+                    continue
+                if s.src == rank and s.dst == rank:
+                    o_lo = old_view.local_head(s.head_start)
+                    n_lo = new_view.local_head(s.head_start)
+                    part = old_t[cids, o_lo:o_lo + s.heads]
+                    new_t[cids, n_lo:n_lo + s.heads] = part
+                    stats.bytes_copied_locally += _nbytes(part)
+                    staging = max(staging, _nbytes(part))
+                elif s.src == rank:
+                    o_lo = old_view.local_head(s.head_start)
+                    buf = old_t[cids, o_lo:o_lo + s.heads].contiguous()
+                    handles.append(transport.isend(buf, s.dst, tag=layer))
+                    recvs.append((None, buf))  # keep the send buffer alive until waited
+                    stats.bytes_sent += _nbytes(buf)
+                    staging += _nbytes(buf)
+                else:
+                    shape = (cids.numel(), s.heads, *new_t.shape[2:])
+                    buf = torch.empty(shape, dtype=new_t.dtype, device=new_t.device)
+                    handles.append(transport.irecv(buf, s.src, tag=layer))
+                    recvs.append((s, buf))
+                    stats.bytes_received += _nbytes(buf)
+                    staging += _nbytes(buf)
+            current = sum(_nbytes(t) for t in old_layers.values()) + sum(
+                _nbytes(t) for t in new_layers.values())
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, current + staging - baseline)
+            transport.wait(handles)
+            for s, buf in recvs:
+                if s is not None:
+                    n_lo = new_view.local_head(s.head_start)
+                    new_t[cids, n_lo:n_lo + s.heads] = buf
+            del recvs, handles
         old_layers.pop(layer, None)  # release the old layer as soon as it has moved
         del old_t, new_t
         if done is not None:
@@ -168,6 +273,18 @@ def migrate_kv(
         stats.per_layer_seconds.append(time.perf_counter() - tl)
     stats.seconds = time.perf_counter() - t0
     return new_layers, stats
+
+
+def _chunks(ids: torch.Tensor, num_kv_heads: int, old_t, new_t,
+            limit: int | None) -> list[torch.Tensor]:
+    """``ids`` split into chunks whose staging fits ``limit`` on any rank. The chunk size depends
+    only on the layer's shape (a rank sends at most all heads and receives at most all heads of a
+    block), so every rank splits the same way and sends pair with receives chunk by chunk."""
+    t = old_t if old_t is not None else new_t
+    if limit is None or ids.numel() == 0 or t is None:
+        return [ids]
+    per_block = 2 * num_kv_heads * t[0, 0].numel() * t.element_size()
+    return list(ids.split(max(1, limit // per_block)))
 
 
 def _device_of(*dicts: dict[int, torch.Tensor]) -> torch.device:
