@@ -87,7 +87,7 @@ def _profile_parser(sub) -> None:
                     "candidate with the current world size)")
     pr.add_argument("--fractions", default="0.1,0.3,0.5,0.7,0.85",
                     help="offered load points as fractions of the measured capacity")
-    pr.add_argument("--point-seconds", type=float, default=6.0)
+    pr.add_argument("--point-seconds", type=float, default=8.0)
     pr.add_argument("--warmup-seconds", type=float, default=1.5)
     pr.add_argument("--capacity-seconds", type=float, default=6.0)
     pr.add_argument("--concurrency", type=int, default=8,

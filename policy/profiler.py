@@ -7,8 +7,12 @@ the agent is switched in place (NodeAgent.ExecuteSwitch) and driven over its Ope
    completions per second after the warm-up are the capacity (req/s);
 2. a sweep of offered load at fractions of that capacity: Poisson arrivals for ``point_s``
    each; requests that *started* in the first ``warmup_s`` of a point are not counted.
-   Per point: TTFT (first streamed token) and TPOT ((last − first token) / (tokens − 1)),
-   p50 and p90, and the completions per second.
+   Per point: TTFT p50/p90 as the client sees it (first streamed token), TPOT from the engine's
+   own ``vllm:request_time_per_output_token_seconds`` histogram over the point (p50 = its mean,
+   p90 interpolated in its buckets, never below the mean) because a client on a loaded 2-core
+   host receives the token stream in bursts, which makes client-side inter-token times
+   meaningless; the client-side TPOT is the fallback when /metrics is not served. And the
+   completions per second.
 
 The switch records give the measured downtime per pair. The result is a ``Profile`` (kind
 ``measured``) in the JSON shape ``policy.profiles.load_profile`` reads. The request shape is the
@@ -45,7 +49,7 @@ log = logs.get_logger("remp.policy.profile")
 @dataclass(frozen=True)
 class SweepConfig:
     fractions: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.85)
-    point_s: float = 6.0
+    point_s: float = 8.0
     warmup_s: float = 1.5
     capacity_s: float = 6.0
     concurrency: int = 8
@@ -83,6 +87,7 @@ class PointResult:
     tpot_p50_s: float
     tpot_p90_s: float
     errors: int = 0
+    client_tpot_p50_s: float = math.nan  # set when TPOT came from the engine's histogram
 
 
 @dataclass
@@ -147,7 +152,72 @@ def build_profile(name: str, results: list[TopologyResult], cfg: SweepConfig,
                    pair_downtime_s=dict(downtimes), params=dict(params or {}))
 
 
+TPOT_METRIC = "vllm:request_time_per_output_token_seconds"
+
+
+def parse_histogram(text: str, name: str) -> tuple[float, float, list[tuple[float, float]]]:
+    """(sum, count, [(le, cumulative count)]) of a Prometheus histogram, summed over labels."""
+    tot_sum = tot_cnt = 0.0
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        key, _, val = line.rpartition(" ")
+        try:
+            v = float(val)
+        except ValueError:
+            continue
+        if key.startswith(f"{name}_sum"):
+            tot_sum += v
+        elif key.startswith(f"{name}_count"):
+            tot_cnt += v
+        elif key.startswith(f"{name}_bucket"):
+            le = key.split('le="', 1)[1].split('"', 1)[0] if 'le="' in key else "+Inf"
+            b = math.inf if le == "+Inf" else float(le)
+            buckets[b] = buckets.get(b, 0.0) + v
+    return tot_sum, tot_cnt, sorted(buckets.items())
+
+
+def histogram_delta(before: tuple, after: tuple) -> tuple[float, float, list[tuple[float, float]]]:
+    b0 = dict(before[2])
+    return (after[0] - before[0], after[1] - before[1],
+            [(le, c - b0.get(le, 0.0)) for le, c in after[2]])
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus-style: linear inside the bucket holding the q-th observation."""
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 1)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def engine_tpot(delta: tuple[float, float, list[tuple[float, float]]]) -> tuple[float, float]:
+    """(p50, p90) TPOT of one point from the engine histogram delta: mean and bucket p90."""
+    s, n, buckets = delta
+    if n <= 0:
+        return math.nan, math.nan
+    mean = s / n
+    return mean, max(mean, histogram_quantile(0.9, buckets))
+
+
 # ---------------------------------------------------------------------------- measuring (I/O)
+
+async def scrape(client: httpx.AsyncClient, http: str) -> tuple | None:
+    try:
+        r = await client.get(f"{http}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200 or TPOT_METRIC not in r.text:
+        return None
+    return parse_histogram(r.text, TPOT_METRIC)
 
 class Prompts:
     """Distinct prompts (no prefix-cache hits) of ``words`` short words each."""
@@ -202,16 +272,26 @@ async def measure_point(client: httpx.AsyncClient, http: str, cfg: SweepConfig, 
     end = t0 + cfg.warmup_s + cfg.point_s
     tasks: list[asyncio.Task] = []
     nxt = t0
+    before = None
+    scraped = False
     while True:
         nxt += rng.expovariate(rate)
         if nxt >= end:
             break
+        if not scraped and nxt >= t0 + cfg.warmup_s:
+            scraped, before = True, await scrape(client, http)  # engine TPOT after warm-up
         await asyncio.sleep(max(0.0, nxt - time.monotonic()))
         tasks.append(asyncio.create_task(timed_completion(client, http, cfg, prompts.next())))
     res = await asyncio.gather(*tasks, return_exceptions=True)
+    after = await scrape(client, http) if before is not None else None
     timings = [t for t in res if isinstance(t, Timing)]
     errors = len(res) - len(timings)
-    return point_from(rate, timings, t0, cfg.warmup_s, end, errors)
+    p = point_from(rate, timings, t0, cfg.warmup_s, end, errors)
+    if before is not None and after is not None:
+        p50, p90 = engine_tpot(histogram_delta(before, after))
+        if not math.isnan(p50):
+            p.client_tpot_p50_s, p.tpot_p50_s, p.tpot_p90_s = p.tpot_p50_s, p50, p90
+    return p
 
 
 async def _describe(stub) -> node_agent_pb2.DescribeResponse:
@@ -290,6 +370,11 @@ async def profile_agent(agent: str, http: str | None, cfg: SweepConfig, name: st
               "achieved_rps": {str(r.topology): [round(p.achieved_rps, 4) for p in r.points]
                                for r in results},
               "samples": {str(r.topology): [p.n for p in r.points] for r in results},
+              "tpot_source": ("engine histogram " + TPOT_METRIC
+                              if all(not math.isnan(p.client_tpot_p50_s) for r in results
+                                     for p in r.points) else "client (some or all points)"),
+              "client_tpot_p50_ms": {str(r.topology): [round(p.client_tpot_p50_s * 1e3, 3)
+                                                       for p in r.points] for r in results},
               "errors": sum(p.errors for r in results for p in r.points),
               "vllm_version": d.vllm_version}
     return build_profile(name, results, cfg, downtimes, slo, notes, params)

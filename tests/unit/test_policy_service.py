@@ -418,3 +418,20 @@ async def test_controller_unreachable_in_a_tick_is_not_fatal():
             await svc.get_recommendation("n")
     finally:
         await svc.controller.close()
+
+
+def test_engine_tpot_from_the_prometheus_histogram():
+    from policy.profiler import engine_tpot, histogram_delta, parse_histogram
+
+    def text(s, n, b):
+        m = "vllm:request_time_per_output_token_seconds"
+        lines = [f'{m}_bucket{{engine="0",le="{le}"}} {c}' for le, c in b]
+        return "\n".join(lines + [f'{m}_sum{{engine="0"}} {s}', f'{m}_count{{engine="0"}} {n}',
+                                  "other_metric 5"])
+    m = "vllm:request_time_per_output_token_seconds"
+    before = parse_histogram(text(1.0, 10, [("0.01", 5), ("0.05", 10), ("+Inf", 10)]), m)
+    after = parse_histogram(text(1.2, 30, [("0.01", 23), ("0.05", 30), ("+Inf", 30)]), m)
+    assert before[1] == 10 and before[2][-1] == (math.inf, 10)
+    p50, p90 = engine_tpot(histogram_delta(before, after))
+    assert p50 == pytest.approx(0.2 / 20)  # the mean over the point's 20 requests
+    assert p90 == pytest.approx(0.01 + 0.04 * (18 - 18) / 2)  # 18th of 20 is the 0.01 bucket's top
