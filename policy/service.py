@@ -293,6 +293,8 @@ class PolicyService:
                 await self.tick()
             except RempError as exc:
                 log.warning("policy.tick_failed", error=str(exc), code=exc.code.name)
+            except Exception as exc:  # noqa: BLE001 - a bug in one tick must not stop the loop
+                log.error("policy.tick_crashed", error=repr(exc), exc_info=True)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=tick_s)
             except asyncio.TimeoutError:
