@@ -233,7 +233,8 @@ class Controller:
 
     # ------------------------------------------------------------------ switching
     async def reconfigure(self, name: str, target: types_pb2.Topology, request_id: str,
-                          reason: str) -> controller_pb2.ReconfigureResponse:
+                          reason: str, test_start_when_running: int = 0
+                          ) -> controller_pb2.ReconfigureResponse:
         h, reg = await self._node(name)
         _check_topology_fields(target)
         current = Topology.parse(h.get("observed") or topo_str(reg.topology))
@@ -274,7 +275,7 @@ class Controller:
         rec.epoch = int(other)
         log.info("controller.switch_accepted", switch_id=sid, node=name, target=str(tgt),
                  epoch=rec.epoch, request_id=request_id)
-        self.spawn(self._drive(reg.agent_address, rec))
+        self.spawn(self._drive(reg.agent_address, rec, test_start_when_running))
         return controller_pb2.ReconfigureResponse(switch_id=sid)
 
     async def _pause_point(self, name: str) -> None:
@@ -283,7 +284,7 @@ class Controller:
             self._paused.set()
             await asyncio.Event().wait()  # until the test kills us
 
-    async def _drive(self, address: str, rec: types_pb2.SwitchRecord) -> None:
+    async def _drive(self, address: str, rec: types_pb2.SwitchRecord, start_gate: int = 0) -> None:
         sid, node = rec.switch_id, rec.node
         try:
             await self._pause_point("ACCEPTED")
@@ -292,7 +293,8 @@ class Controller:
                 return
             await self._pause_point("DISPATCHED")
             req = node_agent_pb2.ExecuteSwitchRequest(
-                target=rec.to_topology, switch_id=sid, epoch=rec.epoch, reason=rec.reason)
+                target=rec.to_topology, switch_id=sid, epoch=rec.epoch, reason=rec.reason,
+                test_start_when_running=start_gate)
             phase, final = int(types_pb2.PHASE_SERVING_OLD), None
             try:
                 async for ev in self.agents.execute_switch(address, req):

@@ -72,7 +72,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def Reconfigure(self, request, context):
         _check_token(context, self.token)
         return await self.core.reconfigure(request.node, request.target, request.request_id,
-                                           request.reason)
+                                           request.reason, request.test_start_when_running)
 
     @rpc_errors_stream
     async def Watch(self, request, context):

@@ -206,16 +206,18 @@ class PlanResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., from_topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., to_topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., shard_loads: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_bytes_total: _Optional[int] = ..., weight_bytes_total: _Optional[int] = ..., predicted: _Optional[_Iterable[_Union[_types_pb2.PhaseTiming, _Mapping]]] = ..., predicted_total_seconds: _Optional[float] = ..., requests_to_preempt: _Optional[int] = ..., noop: _Optional[bool] = ...) -> None: ...
 
 class ReconfigureRequest(_message.Message):
-    __slots__ = ("node", "target", "request_id", "reason")
+    __slots__ = ("node", "target", "request_id", "reason", "test_start_when_running")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TEST_START_WHEN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     node: str
     target: _types_pb2.Topology
     request_id: str
     reason: str
-    def __init__(self, node: _Optional[str] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    test_start_when_running: int
+    def __init__(self, node: _Optional[str] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., test_start_when_running: _Optional[int] = ...) -> None: ...
 
 class ReconfigureResponse(_message.Message):
     __slots__ = ("switch_id", "noop", "duplicate")
