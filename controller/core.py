@@ -11,6 +11,7 @@ After a crash the controller never re-sends: it asks the agent (GetSwitch) what 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -116,14 +117,7 @@ class Controller:
 
     # ------------------------------------------------------------------ nodes
     async def register(self, req: controller_pb2.RegisterNodeRequest) -> tuple[float, int]:
-        if not req.node:
-            raise InvalidArgument("node is required")
-        if not req.agent_address:
-            raise InvalidArgument("agent_address is required (host:port of the NodeAgent)")
-        if req.topology.tp < 1 or req.topology.pp < 1:
-            raise InvalidArgument("topology is required, e.g. {\"tp\": 2, \"pp\": 1}")
-        if req.model.num_layers < 1 or req.model.num_kv_heads < 1:
-            raise InvalidArgument("model facts are required (num_layers, num_kv_heads, ...)")
+        _check_registration(req)
         ev = self._event(controller_pb2.EVENT_TYPE_NODE_REGISTERED, req.node,
                          detail=f"{req.agent_address} {topo_str(req.topology)}")
         epoch = await self.store.register(req.node, req, self.clock() + self.s.lease_seconds,
@@ -464,7 +458,7 @@ class Controller:
             raise InvalidArgument(f"page_size must be at most {MAX_PAGE}")
         try:
             offset = int(page_token) if page_token else 0
-            if offset < 0:
+            if not 0 <= offset < 2**31:
                 raise ValueError
         except ValueError:
             raise InvalidArgument("page_token is not one this server returned") from None
@@ -530,6 +524,32 @@ class Controller:
                             log.warning("controller.node_lost", node=name)
             except Unavailable as exc:
                 log.warning("controller.sweep_failed", error=str(exc))
+
+
+NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+LIMIT = 65536  # sanity bound on every count a registration carries
+
+
+def _check_registration(req: controller_pb2.RegisterNodeRequest) -> None:
+    if not NODE_NAME.match(req.node):
+        raise InvalidArgument("node must be 1-253 characters of letters, digits, '.', '_' or '-' "
+                              f"(got {req.node[:64]!r})")
+    if not req.agent_address or len(req.agent_address) > 256:
+        raise InvalidArgument("agent_address is required (host:port of the NodeAgent)")
+    m, h = req.model, req.host
+    for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_size", "hidden_size"):
+        if not 1 <= getattr(m, name) <= LIMIT:
+            raise InvalidArgument(f"model.{name} must be in 1..{LIMIT}, got {getattr(m, name)}")
+    if not 1 <= h.device_count <= 4096:
+        raise InvalidArgument(f"host.device_count must be in 1..4096, got {h.device_count}")
+    if len(req.candidates) > 256:
+        raise InvalidArgument("at most 256 candidate topologies")
+    for t in [req.topology, *req.candidates]:
+        if t.tp < 1 or t.pp < 1 or t.tp * t.pp > h.device_count:
+            raise InvalidArgument(f"topology TP{t.tp}PP{t.pp} does not fit {h.device_count} "
+                                  "devices (topology and candidates need tp, pp >= 1)")
+    if req.kv_bandwidth_bps < 0 or req.weight_bandwidth_bps < 0:
+        raise InvalidArgument("bandwidths must be >= 0")
 
 
 def _check_topology_fields(t: types_pb2.Topology) -> None:
