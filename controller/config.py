@@ -24,6 +24,8 @@ class ControllerSettings(BaseSettings):
     redis_prefix: str = "remp:"
     token: str | None = Field(None, description="bearer token required on mutating RPCs")
     lease_seconds: float = Field(10.0, gt=0)
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus "
+                                     "/metrics on this port (0: a free one, logged); unset: off")
     agent_timeout_s: float = Field(5.0, gt=0)
     # mTLS towards the agents (all three or none)
     agent_tls_ca: Path | None = None

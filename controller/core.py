@@ -24,6 +24,7 @@ from controller.config import ControllerSettings
 from controller.planner import NodeFacts, Plan, check_target, plan_switch
 from controller.store import Store, SwitchRow, decode_reg, from_json, to_json
 from remp import logs
+from remp import metrics
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -92,6 +93,7 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         self._cache: dict[str, controller_pb2.NodeState] = {}  # last known, for stale reads
         self._paused = asyncio.Event()  # test hook: set when a driver froze
+        self._t: dict[str, dict[str, float]] = {}  # per-switch driver timestamps (logged)
 
     # ------------------------------------------------------------------ lifecycle
     def spawn(self, coro) -> asyncio.Task:
@@ -280,6 +282,7 @@ class Controller:
 
     async def _drive(self, address: str, rec: types_pb2.SwitchRecord, start_gate: int = 0) -> None:
         sid, node = rec.switch_id, rec.node
+        self._t[sid] = {"accepted": time.perf_counter()}
         try:
             await self._pause_point("ACCEPTED")
             if not await self.store.dispatch(sid):
@@ -290,10 +293,13 @@ class Controller:
                 target=rec.to_topology, switch_id=sid, epoch=rec.epoch, reason=rec.reason,
                 test_start_when_running=start_gate)
             phase, final = int(types_pb2.PHASE_SERVING_OLD), None
+            self._t[sid]["dispatched"] = time.perf_counter()
             try:
                 async for ev in self.agents.execute_switch(address, req):
+                    self._t[sid].setdefault("first_event", time.perf_counter())
                     if ev.HasField("record"):
                         final = ev.record
+                        self._t[sid]["final_event"] = time.perf_counter()
                         break
                     if ev.phase != phase:
                         phase = await self._advance(rec, phase, ev.phase, ev.detail)
@@ -360,8 +366,14 @@ class Controller:
                          detail=outcome)
         done = await self.store.finish(rec.switch_id, rec.node, outcome, rec.phase, to_json(rec),
                                        observed, ev)
+        if done:
+            metrics.controller().switch_finished(rec, outcome)
+        t = self._t.pop(rec.switch_id, {})
+        t["finished"] = time.perf_counter()
+        t0 = t.get("accepted", t["finished"])
         log.info("controller.switch_finished", switch_id=rec.switch_id, outcome=outcome,
-                 recorded=done, total_s=round(rec.total_seconds, 3))
+                 recorded=done, total_s=round(rec.total_seconds, 3),
+                 controller_ms={k: round((v - t0) * 1e3, 2) for k, v in t.items()})
 
     async def _reconcile_forever(self, row: SwitchRow) -> None:
         """Complete an unfinished switch from the agent's truth; retry while it is unreachable."""

@@ -9,12 +9,13 @@ predicts per-phase and total time.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from remp.errors import InvalidArgument
-from remp.kvplan import RankView, migration_plan
+from remp.kvplan import RankView, check_shape
 from remp.topology import ModelShape, Topology, format_topologies, topology_problems
 from remp.transaction import Phase
 
@@ -93,6 +94,31 @@ def check_target(facts: NodeFacts, current: Topology, target: Topology) -> None:
                               f"(valid targets: {format_topologies(valid)})")
 
 
+@functools.lru_cache(maxsize=4096)
+def _moves(old: Topology, new: Topology, num_layers: int, num_kv_heads: int
+           ) -> tuple[tuple[tuple[int, int, int, int], tuple[int, ...]], ...]:
+    """Worker-to-worker moves of the 2D plan, grouped by (src, dst, head range) → layers.
+
+    Equal to grouping :func:`remp.kvplan.migration_plan`'s non-local slices (a unit test checks
+    it), computed per run of layers that share both pipeline stages instead of per layer. Depends
+    only on the shapes, so a fleet of nodes serving one model shares the result (cached)."""
+    check_shape(old, num_layers, num_kv_heads)
+    check_shape(new, num_layers, num_kv_heads)
+    a = RankView(old, num_layers, num_kv_heads)
+    b = RankView(new, num_layers, num_kv_heads)
+    cuts = sorted(set(range(0, num_kv_heads, a.heads_per_rank))
+                  | set(range(0, num_kv_heads, b.heads_per_rank)) | {num_kv_heads})
+    bounds = sorted(set(range(0, num_layers, a.layers_per_stage))
+                    | set(range(0, num_layers, b.layers_per_stage)) | {num_layers})
+    grouped: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+    for l0, l1 in zip(bounds, bounds[1:]):
+        for lo, hi in zip(cuts, cuts[1:]):
+            src, dst = a.owner(l0, lo), b.owner(l0, lo)
+            if src != dst:
+                grouped[(src, dst, lo, hi)].extend(range(l0, l1))
+    return tuple((k, tuple(v)) for k, v in sorted(grouped.items()))
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -110,15 +136,11 @@ def plan_switch(facts: NodeFacts, current: Topology, target: Topology,
     # KV: group the slices of one (src, dst, head range) over layers; local copies move no bytes
     # between workers and are left out of the transfer list.
     per_block = facts.kv_bytes_per_block_head * facts.live_blocks
-    grouped: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
-    for sl in migration_plan(current, target, s.num_layers, s.num_kv_heads):
-        if not sl.local:
-            grouped[(sl.src, sl.dst, sl.head_start, sl.head_end)].append(sl.layer)
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
-    for (src, dst, lo, hi), layers in sorted(grouped.items()):
+    for (src, dst, lo, hi), layers in _moves(current, target, s.num_layers, s.num_kv_heads):
         nbytes = len(layers) * (hi - lo) * per_block
-        plan.transfers.append(Transfer(src, dst, tuple(layers), lo, hi, nbytes))
+        plan.transfers.append(Transfer(src, dst, layers, lo, hi, nbytes))
         sent[src] += nbytes
         received[dst] += nbytes
     plan.kv_bytes_total = sum(t.kv_bytes for t in plan.transfers)

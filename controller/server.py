@@ -14,7 +14,7 @@ from controller.config import ControllerSettings
 from controller.core import Controller
 from controller.servicer import ControllerServicer
 from controller.store import Store
-from remp import logs
+from remp import logs, metrics
 from remp.controller.v1 import controller_pb2_grpc
 from remp.grpc_util import make_server, set_serving
 
@@ -33,12 +33,15 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
         url = private.url
         log.warning("controller.private_redis", url=url,
                     note="state lives only as long as this process (set REMP_CONTROLLER_REDIS_URL)")
-    store = Store(url, s.redis_prefix)
+    m = metrics.controller()
+    store = metrics.CountingStore(Store(url, s.redis_prefix), m)
     tls = (TlsFiles(s.agent_tls_ca, s.agent_tls_cert, s.agent_tls_key)
            if s.agent_tls_ca else None)
     agents = AgentClients(tls=tls, timeout=s.agent_timeout_s)
     core = Controller(s, store, agents)
-    server, health, port = make_server([SERVICE_NAME], s.host, s.port)
+    server, health, port = make_server([SERVICE_NAME], s.host, s.port,
+                                       interceptors=[metrics.RpcMetricsInterceptor(m)])
+    msrv = metrics.serve(s.host, s.metrics_port, "controller")
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(core, s.token), server)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -66,6 +69,8 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
         await store.close()
         if private is not None:
             private.stop()
+        if msrv is not None:
+            msrv.stop()
         log.info("controller.stopped")
     return 0
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import remp
 from remp import logs
+from remp import metrics
 from remp.errors import FailedPrecondition, InvalidArgument, NotFound
 from remp.grpc_util import make_server, set_serving
 from remp.topology import Topology, format_topologies
@@ -196,6 +197,7 @@ class NodeAgent:
                     await self._wait_running(start_when_running)
                 await run_switch(self.engine, rec, overlap=overlap, fault=fault, emit=emit,
                                  model_shape=shape, kv_block_bytes_per_head=per_head)
+                metrics.agent().switch_finished(rec)
                 if rec.outcome == "succeeded":
                     self.topology = target
             finally:
@@ -279,6 +281,7 @@ async def run(cfg: ResolvedAgentConfig) -> int:
     http_sock = bind_http(s.host, s.http_port)
     http_port = http_sock.getsockname()[1]
     agent = NodeAgent(cfg, f"http://{s.host}:{http_port}")
+    metrics.agent()  # remp_agent_* families on vLLM's /metrics (default registry) from the start
     server, health, grpc_port = make_server([SERVICE_NAME], s.host, s.grpc_port)
     add_to_server(NodeAgentServicer(agent), server)
     await server.start()

@@ -44,7 +44,38 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="last line: one JSON object")
     _serve_parser(sub)
     _profile_parser(sub)
+    _mode_parser(sub)
     return p
+
+
+def _mode_parser(sub) -> None:
+    md = sub.add_parser("mode", help="set the running policy service's mode (SetMode)",
+                        description="Set the mode of every node, or of one with --node: auto "
+                        "(switches), advisory (recommends), off (decides, calls nothing).")
+    md.add_argument("mode", choices=["auto", "advisory", "off"])
+    md.add_argument("--node", default="", help="one node (default: every node)")
+    md.add_argument("--policy", default=None, help="policy service host:port (default "
+                    "$REMP_POLICY_ADDRESS or 127.0.0.1:50071)")
+
+
+def cmd_mode(args) -> int:
+    import os
+
+    import grpc
+
+    from remp.policy.v1 import policy_pb2, policy_pb2_grpc
+
+    addr = args.policy or os.environ.get("REMP_POLICY_ADDRESS", "127.0.0.1:50071")
+    mode = {"auto": policy_pb2.MODE_AUTO, "advisory": policy_pb2.MODE_ADVISORY,
+            "off": policy_pb2.MODE_OFF}[args.mode]
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            r = policy_pb2_grpc.PolicyStub(ch).SetMode(
+                policy_pb2.SetModeRequest(mode=mode, node=args.node), timeout=10)
+    except grpc.RpcError as exc:
+        return _fail(f"policy {addr}: {exc.code().name}: {exc.details()}", 1)
+    print(f"{args.node or 'every node'}: mode {policy_pb2.Mode.Name(r.mode)[5:].lower()}")
+    return 0
 
 
 def _serve_parser(sub) -> None:
@@ -53,6 +84,8 @@ def _serve_parser(sub) -> None:
                                     "REMP_POLICY_<OPTION> (e.g. REMP_POLICY_CONTROLLER).")
     sv.add_argument("--host")
     sv.add_argument("--port", type=int)
+    sv.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port "
+                    "(0: a free one, logged; default: off)")
     sv.add_argument("--controller", help="controller host:port")
     sv.add_argument("--token", help="bearer token the controller requires")
     sv.add_argument("--controller-timeout-s", type=float)
@@ -202,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_serve(args)
     if args.command == "profile":
         return cmd_profile(args)
+    if args.command == "mode":
+        return cmd_mode(args)
     try:
         series = read_trace(args.trace, args.format, args.window_s)
         profile = load_profile(args.profile)

@@ -17,6 +17,8 @@ class PolicySettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(50071, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus "
+                                     "/metrics on this port (0: a free one, logged); unset: off")
     controller: str = Field(description="controller host:port (GetTraffic, Reconfigure, ...)")
     token: str | None = Field(None, description="bearer token the controller requires")
     controller_timeout_s: float = Field(10.0, gt=0, description="deadline of every controller call")

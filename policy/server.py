@@ -14,7 +14,7 @@ from policy.profiles import SLO, load_profile
 from policy.service import PolicyService
 from policy.servicer import PolicyServicer
 from policy.store import RedisDecisionStore
-from remp import logs
+from remp import logs, metrics
 from remp.errors import ConfigError
 from remp.grpc_util import make_server, set_serving
 from remp.policy.v1 import policy_pb2_grpc
@@ -54,6 +54,8 @@ async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    msrv = metrics.serve(s.host, s.metrics_port, "policy")
+    metrics.policy()
     await server.start()
     ticker = None
     try:
@@ -77,5 +79,7 @@ async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
         await ctl.close()
         if store is not None:
             await store.close()
+        if msrv is not None:
+            msrv.stop()
         log.info("policy.stopped")
     return 0

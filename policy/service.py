@@ -30,6 +30,7 @@ from policy.decide import AutoPolicy, CandidateScore, Decision, PolicyConfig, Po
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
 from remp import logs
+from remp import metrics
 from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError, Unauthenticated,
                          Unavailable)
 from remp.topology import Topology
@@ -427,6 +428,7 @@ class PolicyService:
         else:
             rec.outcome = "off: no action"
         n.last = rec
+        metrics.policy().decided(n, rec, self.window_s, now)
         d = rec.decision
         key = (rec.mode, d.reason, d.current, d.recommended)
         if acted or key != n.logged_key:

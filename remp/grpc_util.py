@@ -34,14 +34,14 @@ def server_options() -> list[tuple[str, int]]:
 
 
 def make_server(
-    full_service_names: Iterable[str], host: str, port: int
+    full_service_names: Iterable[str], host: str, port: int, interceptors: Iterable = ()
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A grpc.aio server with reflection and grpc.health.v1 already added.
 
     Health starts NOT_SERVING for every named service (readiness) and SERVING for "" (liveness).
     Returns (server, health servicer, bound port); add service servicers before ``start()``.
     """
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(), interceptors=list(interceptors) or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(full_service_names)
