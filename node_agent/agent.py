@@ -25,7 +25,7 @@ import remp
 from remp import logs
 from remp import metrics
 from remp.errors import FailedPrecondition, InvalidArgument, NotFound
-from remp.grpc_util import make_server, set_serving
+from remp.grpc_util import ServerTls, make_server, set_serving
 from remp.topology import Topology, format_topologies
 from remp.transaction import Phase, fault_injectable_phases
 
@@ -282,7 +282,8 @@ async def run(cfg: ResolvedAgentConfig) -> int:
     http_port = http_sock.getsockname()[1]
     agent = NodeAgent(cfg, f"http://{s.host}:{http_port}")
     metrics.agent()  # remp_agent_* families on vLLM's /metrics (default registry) from the start
-    server, health, grpc_port = make_server([SERVICE_NAME], s.host, s.grpc_port)
+    tls = ServerTls(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
+    server, health, grpc_port = make_server([SERVICE_NAME], s.host, s.grpc_port, tls=tls)
     add_to_server(NodeAgentServicer(agent), server)
     await server.start()
     await set_serving(health, [SERVICE_NAME], False)

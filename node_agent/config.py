@@ -59,6 +59,10 @@ class AgentSettings(BaseSettings):
     weight_store_root: Path = Field(Path("/dev/shm"), description="host shared-memory weight store")
     switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
     enable_fault_injection: bool = Field(False, description="tests only: honour fail_at_phase")
+    tls_cert: Path | None = Field(None, description="serve gRPC over TLS with this certificate")
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = Field(
+        None, description="require client certificates signed by this CA (mutual TLS)")
     controller: str | None = Field(None, description="controller host:port to register with")
     controller_token: str | None = Field(None, description="bearer token for the controller")
     advertise_address: str | None = Field(
@@ -194,6 +198,12 @@ def cpu_binds(world_size: int, cpus: list[int]) -> list[str]:
 
 def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
     """Check every setting; raise ConfigError naming the first problem."""
+    if bool(settings.tls_cert) != bool(settings.tls_key) or (
+            settings.tls_client_ca and not settings.tls_cert):
+        raise ConfigError("TLS needs both tls_cert and tls_key (tls_client_ca needs them too)")
+    for p in filter(None, (settings.tls_cert, settings.tls_key, settings.tls_client_ca)):
+        if not p.is_file():
+            raise ConfigError(f"TLS file {p} does not exist")
     model = read_model_facts(settings.model)
     device_type = detect_device_type(settings.device)
     host = host_facts(device_type, settings.devices)

@@ -52,6 +52,8 @@ class AgentProcess:
     # priority they leave the test client, grpcurl and the controller timely CPU (measured:
     # without it a grpcurl call took 2.9 s mid-decode). Engine behaviour is unchanged.
     nice: int = 5
+    # (CA, client certificate, client key) when the agent serves gRPC over mutual TLS
+    tls: tuple[Path, Path, Path] | None = None
 
     def __post_init__(self):
         self.grpc_port = free_port()
@@ -78,6 +80,11 @@ class AgentProcess:
         return self
 
     def channel(self) -> grpc.Channel:
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            creds = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(),
+                                                 cert.read_bytes())
+            return grpc.secure_channel(self.grpc_addr, creds)
         return grpc.insecure_channel(self.grpc_addr)
 
     def health(self, service: str = AGENT_SERVICE) -> str:

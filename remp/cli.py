@@ -45,6 +45,10 @@ def _agent_parser(sub) -> None:
                    "(the first switch into each then pays its kernels' one-time set-up)")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
+    p.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate")
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--tls-client-ca", type=Path,
+                   help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--controller", help="controller host:port to register with")
     p.add_argument("--controller-token", help="bearer token for the controller")
     p.add_argument("--advertise-address", help="host:port the controller reaches this agent at")

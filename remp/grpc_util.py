@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,8 +35,25 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """Server side of TLS; with ``client_ca`` every client must present a certificate signed by
+    it (mutual TLS)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
+            require_client_auth=self.client_ca is not None)
+
+
 def make_server(
-    full_service_names: Iterable[str], host: str, port: int, interceptors: Iterable = ()
+    full_service_names: Iterable[str], host: str, port: int, interceptors: Iterable = (),
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A grpc.aio server with reflection and grpc.health.v1 already added.
 
@@ -49,7 +68,10 @@ def make_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     return server, health_servicer, bound

@@ -80,3 +80,10 @@ def test_candidates_restrict_and_include_current(model):
 ])
 def test_cpu_binds(world, cpus, expected):
     assert cpu_binds(world, cpus) == expected
+
+
+def test_tls_settings_are_checked(model, tmp_path):
+    with pytest.raises(ConfigError, match="both tls_cert and tls_key"):
+        resolve(AgentSettings(model=model, tls_cert=tmp_path / "a.crt"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(AgentSettings(model=model, tls_cert=tmp_path / "a.crt", tls_key=tmp_path / "a.key"))
