@@ -80,6 +80,20 @@ def _controller_parser(sub) -> None:
     p.add_argument("--agent-tls-ca", type=Path)
     p.add_argument("--agent-tls-cert", type=Path)
     p.add_argument("--agent-tls-key", type=Path)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port "
+                   "(0: a free one, logged; default: off)")
+
+
+def _dashboard_parser(sub) -> None:
+    p = sub.add_parser("dashboard", help="run the ops dashboard (web page over the controller)",
+                       description="Run the ops dashboard. Without --token it is read-only; with "
+                                   "it, it can approve the policy's recommendations and start "
+                                   "switches (keep it on loopback or behind your auth proxy).")
+    p.add_argument("--controller", help="controller host:port (or REMP_DASHBOARD_CONTROLLER)")
+    p.add_argument("--policy", help="policy service host:port")
+    p.add_argument("--token", help="the controller's bearer token (enables approve)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, help="HTTP port (0: a free one, logged; default 8080)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     _agent_parser(sub)
     _controller_parser(sub)
     _make_model_parser(sub)
+    _dashboard_parser(sub)
+    from remp import ops_cli, up
+
+    ops_cli.add_parsers(sub)
+    up.add_parser(sub)
     sub.add_parser("policy", help="the policy service: evaluate | serve | ... "
                    "(remp policy --help)", add_help=False)
     return ap
@@ -176,6 +195,35 @@ def cmd_controller(a) -> int:
         return fail(str(exc), 1)
 
 
+def cmd_dashboard(a) -> int:
+    from pydantic import ValidationError
+
+    from remp import logs
+
+    fields = {k: v for k, v in vars(a).items() if v is not None and k != "cmd"}
+    try:
+        from dashboard.config import DashboardSettings
+
+        settings = DashboardSettings(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "settings"
+        return fail(f"invalid setting {where}: {err['msg']}")
+    logs.configure(node="dashboard")
+    from dashboard import server
+
+    try:
+        return server.main(settings)
+    except OSError as exc:
+        return fail(str(exc), 1)
+
+
+def cmd_up(a) -> int:
+    from remp import up
+
+    return up.main(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["policy"]:  # the policy service owns its sub-commands (policy/cli.py)
@@ -183,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return policy_main(argv[1:])
     a = build_parser().parse_args(argv)
-    return {"agent": cmd_agent, "controller": cmd_controller,
-            "make-model": cmd_make_model}[a.cmd](a)
+    from remp import ops_cli
+
+    return {"agent": cmd_agent, "controller": cmd_controller, "make-model": cmd_make_model,
+            "dashboard": cmd_dashboard, "up": cmd_up, **ops_cli.COMMANDS}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The ops dashboard: a small web service that reads the controller (and the policy) over gRPC."""

@@ -1,0 +1,273 @@
+// remp ops dashboard: polls the JSON API, follows Controller.Watch through /api/events (SSE).
+"use strict";
+
+const PHASES = ["QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED", "MIGRATE_KV", "RELOAD_SHARDS",
+                "REBINDING", "SERVING_NEW"];
+const FINISH = { switch_done: "succeeded", switch_failed: "failed",
+                 switch_rolled_back: "rolled_back", switch_aborted: "aborted" };
+const state = { cfg: { can_write: false, policy: "" }, nodes: [], live: null, liveLog: [] };
+
+const $ = (s, el = document) => el.querySelector(s);
+function h(tag, attrs = {}, ...kids) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") el.className = v;
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "dataset") Object.assign(el.dataset, v);
+    else if (v !== undefined && v !== null && v !== false) el.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of kids.flat()) if (c !== null && c !== undefined) el.append(c instanceof Node ? c : String(c));
+  return el;
+}
+const ms = (s) => (s === null || s === undefined) ? "" : (s < 10 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(1)} s`);
+function bytes(n) {
+  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
+  while (n >= 1024 && i < u.length - 1) { n /= 1024; i++; }
+  return i ? `${n.toFixed(1)} ${u[i]}` : `${n} B`;
+}
+const time_ = (t) => t ? new Date(t * 1000).toLocaleTimeString() : "";
+const badge = (text, cls) => h("span", { class: `badge ${cls || text}` }, text);
+
+async function api(path, opts) {
+  const r = await fetch(path, opts);
+  const body = await r.json().catch(() => ({}));
+  if (!r.ok) throw new Error(body.error || `${r.status}`);
+  return body;
+}
+
+// ------------------------------------------------------------------ nodes
+async function refreshNodes() {
+  try {
+    const { nodes } = await api("/api/nodes");
+    state.nodes = nodes;
+    $("#nodes-error").hidden = true;
+    renderNodes();
+    for (const n of nodes) if (n.current_switch && (!state.live || state.live.id !== n.current_switch.switch_id)
+                               && n.current_switch.outcome === "running") adoptRunning(n.current_switch);
+    if (state.cfg.policy) renderPolicyNodes(nodes);
+  } catch (e) {
+    $("#nodes-error").hidden = false;
+    $("#nodes-error").textContent = `controller: ${e.message}`;
+  }
+}
+
+function renderNodes() {
+  const tb = $("#nodes tbody");
+  tb.replaceChildren(...state.nodes.map((n) => {
+    const actions = h("td");
+    if (state.cfg.can_write) {
+      const sel = h("select", { "aria-label": "target topology" },
+        ...n.candidates.filter((c) => c !== n.observed).map((c) => h("option", { value: c }, c)));
+      actions.append(sel, " ", h("button", { class: "reconfigure", onclick: () =>
+        reconfigure(n.node, sel.value, "started from the dashboard") }, "Reconfigure"));
+    }
+    const rec = h("td", { class: "wrap" }, n.recommendation || h("span", { class: "muted" }, "—"));
+    if (state.cfg.can_write && n.recommended_target && n.recommended_target !== n.observed && n.health === "ready") {
+      rec.append(" ", h("button", { class: "approve", onclick: () =>
+        reconfigure(n.node, n.recommended_target, `approved in the dashboard: ${n.recommendation}`) },
+        `Approve ${n.recommended_target}`));
+    }
+    return h("tr", { dataset: { node: n.node } },
+      h("td", {}, h("b", {}, n.node), h("div", { class: "muted" }, `${n.host.device_count}× ${n.host.device_type}`)),
+      h("td", {}, badge(n.health), n.stale ? badge("stale", "off") : null),
+      h("td", { class: "observed" }, n.observed), h("td", {}, n.desired),
+      h("td", {}, `${n.lease_age_s.toFixed(1)} s`), h("td", {}, n.epoch),
+      h("td", {}, h("code", {}, n.agent_address)), rec, actions);
+  }));
+  $("#nodes-empty").hidden = state.nodes.length > 0;
+}
+
+async function reconfigure(node, target, reason, requestId) {
+  try {
+    const r = await api("/api/reconfigure", {
+      method: "POST", headers: { "content-type": "application/json", "x-remp-dashboard": "1" },
+      body: JSON.stringify({ node, target, reason, request_id: requestId }) });
+    if (r.noop) alert(`${node} already runs ${target}`);
+  } catch (e) { alert(`Reconfigure ${node} → ${target}: ${e.message}`); }
+}
+
+// ------------------------------------------------------------------ live switch
+function adoptRunning(sw) {
+  startLive(sw.switch_id, sw.node, sw.from, sw.to);
+  for (const p of sw.phases) markPhase(p.phase, "done");
+  if (sw.phase && PHASES.includes(sw.phase)) markPhase(sw.phase, "active");
+}
+
+function startLive(id, node, from, to) {
+  state.live = { id, node, t0: null, phases: {} };
+  state.liveLog = [];
+  $("#live-idle").hidden = true;
+  const box = $("#live-switch");
+  box.hidden = false;
+  box.dataset.switch = id;
+  box.dataset.state = "running";
+  $("#live-id").textContent = id;
+  $("#live-node").textContent = node;
+  $("#live-topo").textContent = from && to ? `${from} → ${to}` : "";
+  const st = $("#live-state"); st.textContent = "running"; st.className = "badge running";
+  $("#live-phases").replaceChildren(...PHASES.map((p) => h("li", { dataset: { phase: p } }, p)));
+  $("#live-log").replaceChildren();
+}
+
+function markPhase(phase, cls) {
+  const ol = $("#live-phases");
+  if (cls === "active") for (const li of ol.children) if (li.classList.contains("active")) { li.classList.remove("active"); li.classList.add("done"); }
+  const li = ol.querySelector(`li[data-phase="${phase}"]`);
+  if (li) { li.classList.remove("active", "done", "failed"); li.classList.add(cls); }
+}
+
+function logLine(ev, text) {
+  const t0 = state.live.t0 ?? ev.at; state.live.t0 = t0;
+  const li = h("li", { dataset: { phase: ev.phase || "", type: ev.type } },
+    `+${((ev.at - t0) * 1000).toFixed(0)} ms  ${text}`);
+  $("#live-log").append(li);
+}
+
+function onEvent(ev) {
+  if (ev.type === "switch_phase") {
+    if (!state.live || state.live.id !== ev.switch_id) {
+      const n = state.nodes.find((x) => x.node === ev.node);
+      startLive(ev.switch_id, ev.node, n ? n.observed : "", "");
+      const m = /→\s*(TP\d+PP\d+)/.exec(ev.detail || "");
+      if (m && n) $("#live-topo").textContent = `${n.observed} → ${m[1]}`;
+    }
+    if (ev.phase === "SERVING_OLD") logLine(ev, ev.detail || "accepted");
+    else {
+      markPhase(ev.phase, ev.phase === "ROLLING_BACK" ? "failed" : "active");
+      logLine(ev, `${ev.phase}${ev.detail ? "  (" + ev.detail + ")" : ""}`);
+    }
+    refreshNodes();
+  } else if (FINISH[ev.type] !== undefined) {
+    if (!state.live || state.live.id !== ev.switch_id) startLive(ev.switch_id, ev.node, "", "");
+    const outcome = ev.record ? ev.record.outcome : FINISH[ev.type];
+    if (outcome === "succeeded") markPhase("SERVING_NEW", "done");
+    if (ev.record) {
+      $("#live-topo").textContent = `${ev.record.from} → ${ev.record.to}`;
+      for (const p of ev.record.phases) {
+        const li = $(`#live-phases li[data-phase="${p.phase}"]`);
+        if (li) { li.classList.remove("active"); li.classList.add("done");
+                  li.textContent = `${p.phase} ${ms(p.seconds)}`; }
+      }
+    }
+    logLine(ev, `${outcome}${ev.record ? `  total ${ms(ev.record.total_s)}, downtime ${ms(ev.record.downtime_s)}` : ""}`);
+    const st = $("#live-state"); st.textContent = outcome; st.className = `badge ${outcome}`;
+    $("#live-switch").dataset.state = outcome;
+    refreshHistory(); refreshNodes();
+  } else if (ev.type === "recommendation" || ev.type === "node_registered" || ev.type === "node_lost") {
+    refreshNodes();
+  }
+}
+
+function connectEvents() {
+  const es = new EventSource("/api/events");
+  const s = $("#stream");
+  es.onopen = () => { s.textContent = "events: live"; s.className = "badge live"; };
+  es.onerror = () => { s.textContent = "events: reconnecting"; s.className = "badge off"; };
+  es.addEventListener("watch_error", (m) => { s.textContent = "events: controller error"; s.className = "badge off"; });
+  es.onmessage = (m) => { try { onEvent(JSON.parse(m.data)); } catch (e) { console.error(e); } };
+}
+
+// ------------------------------------------------------------------ history
+async function refreshHistory() {
+  let sw;
+  try { ({ switches: sw } = await api("/api/switches")); } catch (e) { return; }
+  $("#history tbody").replaceChildren(...sw.map((s) => h("tr", { dataset: { switch: s.switch_id, outcome: s.outcome } },
+    h("td", {}, time_(s.started_at)), h("td", {}, h("code", {}, s.switch_id)), h("td", {}, s.node),
+    h("td", {}, `${s.from} → ${s.to}`), h("td", {}, badge(s.outcome)),
+    h("td", {}, ms(s.total_s)), h("td", {}, ms(s.downtime_s)),
+    h("td", { class: "wrap phases-cell" }, s.phases.map((p) => `${p.phase} ${ms(p.seconds)}`).join(" · ")
+      || (s.error ? `${s.error.code}: ${s.error.message}` : "")),
+    h("td", {}, bytes(s.kv_bytes_moved)), h("td", {}, bytes(s.weight_bytes_loaded)),
+    h("td", {}, `${s.requests_in_flight} / ${s.requests_held} / ${s.requests_preempted}`),
+    h("td", { class: "wrap" }, s.reason))));
+  $("#history-empty").hidden = sw.length > 0;
+}
+
+// ------------------------------------------------------------------ policy
+function renderPolicyNodes(nodes) {
+  const box = $("#policy-nodes");
+  for (const n of nodes) {
+    if (box.querySelector(`[data-policy-node="${n.node}"]`)) continue;
+    box.append(h("div", { dataset: { policyNode: n.node } },
+      h("h3", {}, `${n.node} `, h("span", { class: "muted fc-meta" })),
+      h("div", { class: "legend" },
+        h("span", {}, h("i", { style: "background:#2b6cb0" }), "observed req/s"),
+        h("span", {}, h("i", { style: "background:#805ad5" }), "forecast made then (1 window ahead)"),
+        h("span", {}, h("i", { style: "background:#dd6b20" }), "forecast ahead (band: scenarios)")),
+      h("div", { class: "chart-box" }),
+      h("table", { class: "decisions" }, h("thead", {}, h("tr", {},
+        ...["time", "mode", "current → recommended", "switch?", "reason", "outcome", ""].map((t) => h("th", {}, t)))),
+        h("tbody"))));
+  }
+}
+
+async function refreshPolicy() {
+  if (!state.cfg.policy) return;
+  for (const el of document.querySelectorAll("[data-policy-node]")) {
+    const node = el.dataset.policyNode;
+    let p;
+    try { p = await api(`/api/policy?node=${encodeURIComponent(node)}`); }
+    catch (e) { $(".fc-meta", el).textContent = `policy: ${e.message}`; continue; }
+    const f = p.forecast;
+    $(".fc-meta", el).textContent = `forecaster ${f.forecaster || "—"}` +
+      (Number.isFinite(f.backtest_error) ? `, backtest error ${(f.backtest_error * 100).toFixed(0)}%` : "");
+    $(".chart-box", el).replaceChildren(chart(f));
+    $("tbody", el).replaceChildren(...p.decisions.map((d) => {
+      const act = h("td");
+      if (state.cfg.can_write && d.mode === "advisory" && d.switch) {
+        act.append(h("button", { class: "approve", onclick: () =>
+          reconfigure(d.node, d.recommended, `approved in the dashboard: policy decision ${d.id}`, d.id) },
+          `Approve ${d.recommended}`));
+      }
+      return h("tr", { dataset: { decision: d.id } }, h("td", {}, time_(d.at)), h("td", {}, d.mode),
+        h("td", {}, `${d.current} → ${d.recommended}`), h("td", {}, d.switch ? "yes" : "no"),
+        h("td", { class: "wrap" }, d.reason), h("td", { class: "wrap" }, d.outcome,
+          d.switch_id ? h("div", {}, h("code", {}, d.switch_id)) : null), act);
+    }));
+  }
+}
+
+function chart(f) {
+  const W = 900, H = 220, L = 44, R = 10, T = 10, B = 24;
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`); svg.setAttribute("class", "chart");
+  const obs = f.observed.map((o) => [o.t, o.rate]);
+  const past = (f.past || []).map((p) => [p.t, p.mean]);
+  const pts = f.points.map((p) => [p.t, p.mean, p.lower, p.upper]);
+  const all = [...obs, ...past, ...pts];
+  const add = (tag, attrs, text) => { const e = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v); if (text) e.textContent = text; svg.append(e); return e; };
+  if (!all.length) { add("text", { x: L, y: H / 2 }, "no traffic seen yet"); return svg; }
+  const t0 = Math.min(...all.map((a) => a[0])), t1 = Math.max(...all.map((a) => a[0])) || t0 + 1;
+  const ymax = Math.max(0.1, ...obs.map((a) => a[1]), ...past.map((a) => a[1]), ...pts.map((a) => Math.min(a[3], a[1] * 3)));
+  const x = (t) => L + (W - L - R) * (t1 > t0 ? (t - t0) / (t1 - t0) : 0.5);
+  const y = (v) => T + (H - T - B) * (1 - Math.min(v, ymax * 1.05) / (ymax * 1.05));
+  add("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" });
+  add("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" });
+  for (const v of [0, ymax / 2, ymax]) add("text", { x: 2, y: y(v) + 3 }, v.toFixed(2));
+  add("text", { x: L, y: H - 6 }, time_(t0)); add("text", { x: W - R - 60, y: H - 6 }, time_(t1));
+  const line = (arr, cls) => arr.length && add("path", { class: cls,
+    d: arr.map((a, i) => `${i ? "L" : "M"}${x(a[0]).toFixed(1)},${y(a[1]).toFixed(1)}`).join("") });
+  if (pts.length) add("path", { class: "band", d: pts.map((a, i) => `${i ? "L" : "M"}${x(a[0]).toFixed(1)},${y(a[3]).toFixed(1)}`).join("")
+    + [...pts].reverse().map((a) => `L${x(a[0]).toFixed(1)},${y(a[2]).toFixed(1)}`).join("") + "Z" });
+  line(obs, "obs"); line(past, "past"); line(pts, "fc");
+  return svg;
+}
+
+// ------------------------------------------------------------------ start
+async function main() {
+  try { state.cfg = await api("/api/config"); } catch (e) { /* keep defaults */ }
+  $("#ctl-addr").textContent = state.cfg.controller || "?";
+  $("#pol-addr").textContent = state.cfg.policy || "none";
+  const acc = $("#access");
+  acc.textContent = state.cfg.can_write ? "approve enabled" : "read-only";
+  acc.className = `badge ${state.cfg.can_write ? "ok" : ""}`;
+  $("#policy-none").hidden = !!state.cfg.policy;
+  connectEvents();
+  await refreshNodes(); await refreshHistory(); await refreshPolicy();
+  setInterval(refreshNodes, 2000);
+  setInterval(refreshHistory, 5000);
+  setInterval(refreshPolicy, 5000);
+}
+main();
