@@ -1,0 +1,208 @@
+"""deploy/ validated with what runs here (no Docker engine, no cluster):
+
+- Kubernetes manifests against the Kubernetes 1.37 JSON schemas, strict (unknown fields fail),
+  offline (``kubernetes-validate``); ``kubectl kustomize`` when kubectl is installed;
+- docker-compose.yml against the compose-spec schema (``check-jsonschema``'s vendored copy);
+- every remp command line in them (container args, health checks) parsed by remp's own CLI
+  parsers, every ``REMP_*`` variable a real setting, every profile/port they name existing;
+- the Prometheus configs: every scrape target is a port a remp process serves /metrics on;
+- the Dockerfile copies only paths that exist and installs extras pyproject.toml declares.
+
+What this does not exercise (no engine, no cluster here) is listed in deploy/README.md."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+BIN = Path(sys.executable).parent
+
+
+def k8s_docs() -> list[dict]:
+    return [d for p in K8S for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def containers() -> list[dict]:
+    out = []
+    for d in k8s_docs():
+        spec = d.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []):
+            out.append({"doc": d, "pod": spec, "c": c})
+    return out
+
+
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def test_kubernetes_manifests_match_the_schemas_strictly():
+    r = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", "-k", "1.33.0",
+                        *map(str, K8S)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in k8s_docs()}
+    for want in [("Deployment", "remp-controller"), ("Lease", "remp-controller-leader"),
+                 ("DaemonSet", "remp-agent"), ("Deployment", "remp-policy"),
+                 ("Deployment", "remp-dashboard"), ("StatefulSet", "remp-redis")]:
+        assert want in kinds, want
+
+
+def test_the_validator_rejects_a_broken_manifest(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    doc = yaml.safe_load((DEPLOY / "k8s" / "dashboard.yaml").read_text().split("---")[1])
+    doc["spec"]["replicas"] = "one"
+    doc["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    bad.write_text(yaml.safe_dump(doc))
+    r = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "replicas" in r.stdout + r.stderr
+
+
+def test_kustomization_builds():
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl not installed (the schema validation above still ran)")
+    r = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert len([d for d in yaml.safe_load_all(r.stdout) if d]) == len(k8s_docs())
+
+
+def test_agent_daemonset_gpu_nodes_and_shared_memory_weight_store():
+    ds = next(d for d in k8s_docs() if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+    c = pod["containers"][0]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    dep = next(d for d in k8s_docs() if d["kind"] == "Deployment"
+               and d["metadata"]["name"] == "remp-controller")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_compose_file_matches_the_compose_spec():
+    r = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+                        str(DEPLOY / "docker-compose.yml")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    services = compose()["services"]
+    assert {"redis", "controller", "agent", "policy", "dashboard"} <= set(services)
+    assert services["agent"]["shm_size"]
+
+
+def _parse(args: list[str]) -> None:
+    """Parse a remp command line with remp's own parsers (SystemExit on an unknown flag)."""
+    from policy.cli import _parser as policy_parser
+    from remp.cli import build_parser
+
+    args = [re.sub(r"\$\((\w+)\)", r"x\1", a) for a in args]  # k8s $(VAR) expansion
+    if args[0] == "policy":
+        policy_parser().parse_args(args[1:])
+    else:
+        build_parser().parse_args(args)
+
+
+def remp_command_lines() -> list[tuple[str, list[str]]]:
+    lines = []
+    for x in containers():
+        if x["c"]["image"].startswith("remp:"):
+            lines.append((x["doc"]["metadata"]["name"], x["c"]["args"]))
+    for name, svc in compose()["services"].items():
+        if str(svc.get("image", "")).startswith("remp:") or "<<" in svc:
+            if "command" in svc:
+                lines.append((name, svc["command"]))
+            test = svc.get("healthcheck", {}).get("test", [])
+            if test[:2] == ["CMD", "remp"]:
+                lines.append((f"{name} healthcheck", test[2:]))
+    return lines
+
+
+def test_every_remp_command_line_parses():
+    lines = remp_command_lines()
+    assert len(lines) >= 8
+    for name, args in lines:
+        try:
+            _parse(args)
+        except SystemExit as exc:
+            pytest.fail(f"{name}: `remp {' '.join(args)}` does not parse ({exc})")
+
+
+def test_every_remp_env_var_is_a_setting_and_profiles_exist():
+    from controller.config import ControllerSettings
+    from dashboard.config import DashboardSettings
+    from node_agent.config import AgentSettings
+    from policy.config import PolicySettings
+    from policy.profiles import BUILTIN_PROFILES
+
+    known = {"REMP_LOG_FORMAT", "REMP_LOG_LEVEL"}
+    for cls in (ControllerSettings, DashboardSettings, AgentSettings, PolicySettings):
+        prefix = cls.model_config["env_prefix"]
+        known |= {prefix + f.upper() for f in cls.model_fields}
+    envs = [e["name"] for x in containers() for e in x["c"].get("env", [])]
+    envs += [k for s in compose()["services"].values() for k in (s.get("environment") or {})]
+    remp_envs = [e for e in envs if e.startswith("REMP_")]
+    assert remp_envs and not set(remp_envs) - known, set(remp_envs) - known
+    for _, args in remp_command_lines():
+        if "--profile" in args:
+            prof = args[args.index("--profile") + 1]
+            ok = prof in BUILTIN_PROFILES or (ROOT / prof.replace("/opt/remp/", "")).is_file()
+            assert ok, prof
+
+
+def _metrics_ports_k8s() -> dict[str, str]:
+    out = {}
+    for x in containers():
+        ann = x["doc"]["spec"]["template"]["metadata"].get("annotations", {})
+        if ann.get("prometheus.io/scrape") == "true":
+            ports = {str(p["containerPort"]) for p in x["c"]["ports"]}
+            assert ann["prometheus.io/port"] in ports, x["doc"]["metadata"]["name"]
+            out[x["doc"]["metadata"]["name"]] = ann["prometheus.io/port"]
+    return out
+
+
+def test_prometheus_configs_scrape_what_serves_metrics():
+    k8s = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    job = k8s["scrape_configs"][0]
+    assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+    keep = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    assert keep and "prometheus_io_scrape" in keep[0]["source_labels"][0]
+    assert _metrics_ports_k8s() == {"remp-controller": "9151", "remp-agent": "8000",
+                                    "remp-policy": "9171"}
+    # the agent's port is the OpenAI API one, where vLLM's app serves /metrics
+    agent = next(x for x in containers() if x["doc"]["kind"] == "DaemonSet")["c"]["args"]
+    assert agent[agent.index("--http-port") + 1] == "8000"
+
+    comp = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-compose.yml").read_text())
+    services = compose()["services"]
+    for sc in comp["scrape_configs"]:
+        for target in sc["static_configs"][0]["targets"]:
+            host, port = target.split(":")
+            cmd = services[host]["command"]
+            flag = "--http-port" if host == "agent" else "--metrics-port"
+            assert cmd[cmd.index(flag) + 1] == port, target
+    mounted = services["prometheus"]["volumes"][0].split(":")[0]
+    assert (DEPLOY / mounted).resolve() == (DEPLOY / "prometheus" / "prometheus-compose.yml")
+
+
+def test_dockerfile_copies_existing_paths_and_known_extras():
+    text = (DEPLOY / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, re.M):
+        for p in src.split():
+            assert (ROOT / p).exists(), p
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert re.search(r'pip install "\.\[\$EXTRA\]"', text)
+    assert {"cpu", "gpu"} <= set(extras)
+    pkgs = [p for p in ("remp", "controller", "node_agent", "policy", "dashboard")]
+    for p in pkgs:
+        assert f"COPY {p}/ {p}/" in text, p
