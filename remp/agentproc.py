@@ -226,22 +226,36 @@ async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list
 
     The start of the switch is gated by the engine's own view (``test_start_when_running``; the
     agent needs REMP_AGENT_ENABLE_FAULT_INJECTION=1): on a 2-core machine the client sees SSE
-    chunks in bursts, seconds late, so a client-side "every stream is decoding" is unreliable.
+    chunks in bursts, seconds late, and a request to the agent can take seconds to arrive while
+    the engine decodes — so the switch is requested first, and the streams start once the agent
+    has accepted it (its gate then waits for them).
     Returns (outputs, late outputs, phase names, record)."""
     kw.setdefault("test_start_when_running", len(prompts))
+    sid = kw.setdefault("switch_id", f"sul-{os.getpid()}-{time.monotonic_ns()}")
     async with httpx.AsyncClient(timeout=600) as c:
-        arrivals: list[list[float]] = [[] for _ in prompts]
-        t0 = time.monotonic()
-        main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, None,
-                                                      arrivals[i]))
-                for i, p in enumerate(prompts)]
         late: list[asyncio.Task] = []
 
         def on_event(_ev):
             if late_prompts and not late:
                 late.extend(asyncio.create_task(stream_completion(c, agent.http, p, 16))
                             for p in late_prompts)
-        phases, record = await execute_switch(agent.grpc_addr, tp, pp, on_event=on_event, **kw)
+        sw = asyncio.create_task(execute_switch(agent.grpc_addr, tp, pp, on_event=on_event, **kw))
+        async with grpc.aio.insecure_channel(agent.grpc_addr) as ch:
+            stub = node_agent_pb2_grpc.NodeAgentStub(ch)
+            while not sw.done():
+                try:
+                    await stub.GetSwitch(node_agent_pb2.GetSwitchRequest(switch_id=sid), timeout=30)
+                    break  # accepted: the agent's start gate is waiting for the streams
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                await asyncio.sleep(0.01)
+        arrivals: list[list[float]] = [[] for _ in prompts]
+        t0 = time.monotonic()
+        main = [asyncio.create_task(stream_completion(c, agent.http, p, max_tokens, None,
+                                                      arrivals[i]))
+                for i, p in enumerate(prompts)]
+        phases, record = await sw
         t_done = time.monotonic()
         outs = await asyncio.gather(*main)
         if timeline is not None:

@@ -302,3 +302,22 @@ def test_agent_abort_rolls_back_before_migrate_kv(stack):
             node_agent_pb2_grpc.NodeAgentStub(ch).AbortSwitch(
                 node_agent_pb2.AbortSwitchRequest(switch_id="abort-me"), timeout=10)
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_abort_through_the_controller_while_the_agent_holds_the_switch(stack):
+    ctl, agent = stack
+    start = agent_topology(agent)
+    target = T(tp=2, pp=1) if start == (1, 2) else T(tp=1, pp=2)
+    # dispatched, held by the agent's test-only start gate before QUIESCING (nothing is running)
+    sid = call(ctl, "Reconfigure", controller_pb2.ReconfigureRequest(
+        node=NODE, target=target, test_start_when_running=3)).switch_id
+    deadline = time.monotonic() + 20
+    while agent_record(agent, sid) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = call(ctl, "Abort", controller_pb2.AbortRequest(switch_id=sid, reason="operator"))
+    assert r.aborted
+    rec = wait_switch(ctl, sid)
+    assert rec.outcome == types_pb2.SWITCH_OUTCOME_ABORTED and rec.error.code == "ABORTED"
+    st = call(ctl, "GetState", controller_pb2.GetStateRequest(node=NODE), md=False)
+    assert (st.observed.tp, st.observed.pp) == start == agent_topology(agent)
