@@ -25,6 +25,8 @@ function bytes(n) {
   while (n >= 1024 && i < u.length - 1) { n /= 1024; i++; }
   return i ? `${n.toFixed(1)} ${u[i]}` : `${n} B`;
 }
+// switches keep TP·PP (world-size changes are not supported yet): offer those targets only
+const world = (t) => { const m = /TP(\d+)PP(\d+)/.exec(t || ""); return m ? +m[1] * +m[2] : 0; };
 const time_ = (t) => t ? new Date(t * 1000).toLocaleTimeString() : "";
 const badge = (text, cls) => h("span", { class: `badge ${cls || text}` }, text);
 
@@ -57,7 +59,8 @@ function renderNodes() {
     const actions = h("td");
     if (state.cfg.can_write) {
       const sel = h("select", { "aria-label": "target topology" },
-        ...n.candidates.filter((c) => c !== n.observed).map((c) => h("option", { value: c }, c)));
+        ...n.candidates.filter((c) => c !== n.observed && world(c) === world(n.observed))
+          .map((c) => h("option", { value: c }, c)));
       actions.append(sel, " ", h("button", { class: "reconfigure", onclick: () =>
         reconfigure(n.node, sel.value, "started from the dashboard") }, "Reconfigure"));
     }
