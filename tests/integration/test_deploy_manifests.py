@@ -67,14 +67,14 @@ def test_the_validator_rejects_a_broken_manifest(tmp_path):
     assert r.returncode != 0 and "replicas" in r.stdout + r.stderr
 
 
-def test_kustomization_builds():
-    kubectl = shutil.which("kubectl")
-    if not kubectl:
-        pytest.skip("kubectl not installed (the schema validation above still ran)")
-    r = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s")], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert len([d for d in yaml.safe_load_all(r.stdout) if d]) == len(k8s_docs())
+def test_kustomization_lists_every_manifest():
+    # (kubectl is not installed here; `kubectl kustomize deploy/k8s` was not run)
+    kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    listed = sorted(kust["resources"])
+    on_disk = sorted(p.name for p in (DEPLOY / "k8s").glob("*.yaml")
+                     if p.name != "kustomization.yaml")
+    assert listed == on_disk
+    assert all(d.get("kind") and d.get("metadata", {}).get("name") for d in k8s_docs())
 
 
 def test_agent_daemonset_gpu_nodes_and_shared_memory_weight_store():
