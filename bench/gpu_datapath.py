@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from node_agent.kv_migration import LocalTransport, migrate_kv  # noqa: E402
+from node_agent import kv_migration as kvm  # noqa: E402
+from node_agent.kv_migration import LocalTransport, migrate_kv, migrate_kv_reference  # noqa: E402
 from node_agent.weight_store import (MappedStore, ShardLoader, WeightStore,  # noqa: E402
                                      llama_shard_pieces)
 from remp.kvplan import RankView, migration_plan  # noqa: E402
@@ -524,8 +525,10 @@ class MemTrace:
 
 
 def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, poison: bool,
-                staging_limit: int | None, trace: MemTrace | None, copy: str = "memcpy",
-                presync: bool = True) -> tuple[dict, dict]:
+                staging_limit="auto", trace: MemTrace | None, copy: str = "memcpy",
+                presync: bool = True, reference: bool = False) -> tuple[dict, dict]:
+    """One migration of every rank (threads); ``reference`` runs the first executor
+    (``migrate_kv_reference``: advanced-index gather, ``.contiguous()``, ``index_put`` scatter)."""
     a, b = RankView(old, case.L, case.H), RankView(new, case.L, case.H)
     plan = migration_plan(old, new, case.L, case.H)
     world = max(old.world_size, new.world_size)
@@ -543,8 +546,9 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
     def work(r):
         try:
             with stream_ctx(streams, r):
-                results[r] = migrate_kv(r, layers.get(r, {}), a, b, plan, case.ids, alloc_for,
-                                        hub.endpoint(r), staging_limit_bytes=staging_limit)
+                fn = migrate_kv_reference if reference else migrate_kv
+                results[r] = fn(r, layers.get(r, {}), a, b, plan, case.ids, alloc_for,
+                                hub.endpoint(r), staging_limit_bytes=staging_limit)
         except BaseException as exc:  # noqa: BLE001
             errors.append((r, exc))
 
@@ -588,41 +592,66 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
     return new_layers, info
 
 
-def kv_pair(case, A, B, streams, trace, chunk_limit, ceil_copy) -> list[dict]:
-    """Six legs over {A, B}; returns one record per direction."""
+def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "reference")) -> list[dict]:
+    """Legs over {A, B}; returns one record per direction. The executor's default (staging limit
+    ``"auto"`` = ``kv_migration.STAGING_FRACTION`` of a layer): A→B poisoned, checked and memory
+    traced; B→A and A→B timed; B→A poisoned, checked, traced. ``unlimited`` (no staging limit):
+    both directions poisoned/checked/traced, then both timed. ``reference`` (the first executor,
+    no limit): both directions timed, the live blocks checked after."""
     rec = {(A, B): {"old": str(A), "new": str(B)}, (B, A): {"old": str(B), "new": str(A)}}
     layers = case.fill(A, streams)
-    layers, i1 = migrate_leg(case, A, B, layers, streams, poison=True, staging_limit=None, trace=trace)
+    layers, i1 = migrate_leg(case, A, B, layers, streams, poison=True, trace=trace)
     rec[(A, B)]["ok"] = case.check(B, layers, poisoned=True)
-    layers, i2 = migrate_leg(case, B, A, layers, streams, poison=False, staging_limit=None, trace=None)
-    layers, i3 = migrate_leg(case, A, B, layers, streams, poison=False, staging_limit=None, trace=None)
-    layers, i4 = migrate_leg(case, B, A, layers, streams, poison=True, staging_limit=None, trace=trace)
+    layers, i2 = migrate_leg(case, B, A, layers, streams, poison=False, trace=None)
+    layers, i3 = migrate_leg(case, A, B, layers, streams, poison=False, trace=None)
+    layers, i4 = migrate_leg(case, B, A, layers, streams, poison=True, trace=trace)
     rec[(B, A)]["ok"] = case.check(A, layers, poisoned=True)
+    extra: dict = {(A, B): {}, (B, A): {}}
+    if "unlimited" in variants:
+        layers, u1 = migrate_leg(case, A, B, layers, streams, poison=True, staging_limit=None, trace=trace)
+        ok_ab = case.check(B, layers, poisoned=True)
+        layers, u2 = migrate_leg(case, B, A, layers, streams, poison=True, staging_limit=None, trace=trace)
+        ok_ba = case.check(A, layers, poisoned=True)
+        layers, u3 = migrate_leg(case, A, B, layers, streams, poison=False, staging_limit=None, trace=None)
+        layers, u4 = migrate_leg(case, B, A, layers, streams, poison=False, staging_limit=None, trace=None)
+        for key, timed, checked, ok in (((A, B), u3, u1, ok_ab), ((B, A), u4, u2, ok_ba)):
+            extra[key]["unlimited"] = {"seconds": timed["seconds"], "GBps": timed["GBps"],
+                                       "hbm_copy_GBps": timed["hbm_copy_GBps"], "peak": _peaks(case, checked),
+                                       "ok": ok}
+            rec[key]["ok_unlimited"] = ok
+    if "reference" in variants:
+        layers, r1 = migrate_leg(case, A, B, layers, streams, poison=False, staging_limit=None, trace=None,
+                                 reference=True)
+        ok_ab = case.check(B, layers, poisoned=False)
+        layers, r2 = migrate_leg(case, B, A, layers, streams, poison=False, staging_limit=None, trace=None,
+                                 reference=True)
+        ok_ba = case.check(A, layers, poisoned=False)
+        for key, timed, ok in (((A, B), r1, ok_ab), ((B, A), r2, ok_ba)):
+            extra[key]["reference"] = {"seconds": timed["seconds"], "GBps": timed["GBps"],
+                                       "hbm_copy_GBps": timed["hbm_copy_GBps"], "ok": ok}
+            rec[key]["ok_reference"] = ok
     legs = {(A, B): (i3, i1), (B, A): (i2, i4)}
-    if chunk_limit:
-        layers, i5 = migrate_leg(case, A, B, layers, streams, poison=True, staging_limit=chunk_limit, trace=trace)
-        rec[(A, B)]["ok_chunked"] = case.check(B, layers, poisoned=True)
-        layers, i6 = migrate_leg(case, B, A, layers, streams, poison=True, staging_limit=chunk_limit, trace=trace)
-        rec[(B, A)]["ok_chunked"] = case.check(A, layers, poisoned=True)
-        legs = {(A, B): (i3, i1, i5), (B, A): (i2, i4, i6)}
     del layers
     out = []
-    for key, legs_ in legs.items():
-        timed, checked = legs_[0], legs_[1]
+    for key, (timed, checked) in legs.items():
         r = rec[key]
         r.update(seconds=timed["seconds"], bytes_moved=timed["bytes_moved"],
                  bytes_remote=timed["bytes_remote"], bytes_local=timed["bytes_local"],
                  GBps=timed["GBps"], hbm_copy_GBps=timed["hbm_copy_GBps"],
-                 seconds_poisoned=checked["seconds"])
-        if ceil_copy:
-            r["pct_of_d2d"] = 100 * timed["GBps"] / ceil_copy
-            r["hbm_pct_of_d2d"] = 100 * timed["hbm_copy_GBps"] / ceil_copy
+                 seconds_poisoned=checked["seconds"], staging="auto")
         r["peak"] = _peaks(case, checked)
-        if len(legs_) > 2:
-            ch = legs_[2]
-            r["chunked"] = {"seconds": ch["seconds"], "GBps": ch["GBps"], "peak": _peaks(case, ch)}
+        r.update(extra[key])
+        for sub in [r] + [r[k] for k in ("unlimited", "reference") if k in r]:
+            if ceil_copy:
+                sub["pct_of_d2d"] = 100 * sub["GBps"] / ceil_copy
+                sub["hbm_pct_of_d2d"] = 100 * sub["hbm_copy_GBps"] / ceil_copy
         out.append(r)
     return out
+
+
+def _peak_of(p: dict) -> float:
+    """Peak extra ÷ one layer: the allocator's per-rank figure where there is one, else the executor's."""
+    return p["alloc_max_rank_vs_layer"] if "alloc_max_rank_vs_layer" in p else p["executor_max_rank_vs_layer"]
 
 
 def _peaks(case: KVCase, info: dict) -> dict:
@@ -650,17 +679,18 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
     for name, tokens, which in plan:
         topos = TOPOS if which == "all" else X8
         case = KVCase(models[name], tokens, dev)
-        chunk = max(1, int(case.layer_bytes * args.chunk_frac))
+        chunk = int(case.layer_bytes * kvm.STAGING_FRACTION)
+        variants = tuple(v for v in args.kv_variants.split(",") if v)
         rows, skipped = [], []
         log(f"[kv {name} {tokens} tokens, {which}] one layer {case.layer_bytes / GB:.3f} GB, "
-            f"all layers {case.layer_bytes * case.L / GB:.1f} GB, chunk limit {chunk / GB:.3f} GB")
+            f"all layers {case.layer_bytes * case.L / GB:.1f} GB, default staging limit {chunk / GB:.3f} GB")
         errors = []
         for A, B in itertools.combinations(topos, 2):
             if budget.left() < args.reserve_s:
                 skipped.append(f"{A}<->{B}")
                 continue
             try:
-                pair_rows = kv_pair(case, A, B, streams, trace, chunk, ceil_copy)
+                pair_rows = kv_pair(case, A, B, streams, trace, ceil_copy, variants)
             except Exception as exc:  # noqa: BLE001 - recorded as a failure, the sweep goes on
                 errors.append({"pair": f"{A}<->{B}", "error": f"{type(exc).__name__}: {exc}"})
                 log(f"  {A}<->{B} FAILED: {exc!r}")
@@ -671,15 +701,18 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
             for r in pair_rows:
                 rows.append(r)
                 pk = r["peak"]
+                un, ref = r.get("unlimited", {}), r.get("reference", {})
                 log(f"  {r['old']:>7}→{r['new']:<7} {r['bytes_moved'] / GB:7.2f} GB {r['seconds'] * 1e3:8.1f} ms"
                     f" {r['GBps']:7.1f} GB/s ({r.get('pct_of_d2d', 0):4.1f}% d2d, hbm {r.get('hbm_pct_of_d2d', 0):4.1f}%)"
-                    f" peak/layer rank {pk.get('alloc_max_rank_vs_layer', pk['executor_max_rank_vs_layer']):.2f}"
-                    f" chunked {r.get('chunked', {}).get('peak', {}).get('alloc_max_rank_vs_layer', float('nan')):.2f}"
-                    f" ok={r['ok']}/{r.get('ok_chunked')}")
+                    f" peak/layer {_peak_of(pk):.2f}; unlimited {un.get('GBps', float('nan')):6.1f} GB/s"
+                    f" peak {_peak_of(un['peak']) if un else float('nan'):.2f}; reference {ref.get('GBps', float('nan')):6.1f} GB/s"
+                    f" ok={r['ok']}/{r.get('ok_unlimited')}/{r.get('ok_reference')}")
         runs.append({"model": name, "tokens": tokens, "pairs": which, "num_blocks": case.NB,
                      "live_blocks": int(case.ids.numel()), "block_size": BLOCK_SIZE,
                      "one_layer_kv_bytes": case.layer_bytes, "all_layers_kv_bytes": case.layer_bytes * case.L,
-                     "chunk_limit_bytes": chunk, "rows": rows, "skipped": skipped, "errors": errors})
+                     "staging_fraction": kvm.STAGING_FRACTION, "staging_limit_bytes": chunk,
+                     "run_copy_max_runs": kvm.RUN_COPY_MAX_RUNS, "runs_of_consecutive_ids": len(kvm._run_starts(case.ids.cpu())) + 1,
+                     "variants": list(variants), "rows": rows, "skipped": skipped, "errors": errors})
         if skipped:
             runs[-1]["skipped_reason"] = "time budget"
             log(f"  skipped {len(skipped)} pairs (time budget)")
@@ -690,49 +723,70 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
 
 
 def bench_kv_ops(cfg, dev, args) -> dict:
-    """Why the executor is slow: its gather/scatter ops on one 13B-shaped layer vs a plain copy and
-    vs block-row ops on vLLM's storage layout (same bytes)."""
+    """The executors' gather/scatter ops on one 13B-shaped layer (vLLM flash layout), each timed
+    alone, against a plain copy of the same bytes: the first executor's (advanced indexing on the
+    permuted view, ``.contiguous()``, ``index_put``) and this executor's (``_SliceView``: one
+    ``index_select`` / ``index_copy_`` on the memory-order view as 16- or 8-byte elements, or one
+    strided copy per run of consecutive ids)."""
     case = KVCase(cfg, args.ops_tokens if not args.small else args.small_tokens, dev)
     H, ids = case.H, case.ids
+    ids_host = ids.cpu()
+    starts = kvm._run_starts(ids_host)
+    runs = kvm._Runs(ids_host.tolist(), starts, 0, ids.numel())
     base = torch.randn(case.shape(H), device=dev, dtype=DTYPE)      # [2, NB, BS, H, D] storage
     ex = case.exec_view(base)                                          # [NB, H, 2, BS, D] executor view
     out: dict = {"model_layer": f"{cfg['num_key_value_heads']} KV heads × {case.NB} blocks × {BLOCK_SIZE}",
-                 "live_blocks": int(ids.numel()), "ops": []}
+                 "live_blocks": int(ids.numel()), "runs": runs.count, "ops": []}
     reps = 5
 
     def rec(name, fn, nbytes_moved, note=""):
         t = median_time(fn, dev, reps)
         out["ops"].append({"op": name, "bytes": nbytes_moved, "ms": t * 1e3, "GBps": nbytes_moved / t / GB,
                            "note": note})
-        log(f"[kv ops] {name:<44} {nbytes_moved / GB:6.2f} GB {t * 1e3:8.2f} ms {nbytes_moved / t / GB:8.1f} GB/s")
+        log(f"[kv ops] {name:<58} {nbytes_moved / GB:6.2f} GB {t * 1e3:8.2f} ms {nbytes_moved / t / GB:8.1f} GB/s")
 
+    perm = kvm._memory_order(ex)
     for h in (H, H // 2, H // 8):
         part = ex[ids, 0:h]
         nb = nbytes(part)
-        rec(f"executor gather old_t[ids, 0:{h}]", lambda h=h: ex[ids, 0:h], nb, "advanced index on the permuted view")
-        rec(f"executor gather .contiguous() (send), {h} heads", lambda h=h: ex[ids, 0:h].contiguous(), nb)
+        rec(f"reference gather old_t[ids, 0:{h}]", lambda h=h: ex[ids, 0:h], nb, "advanced index on the permuted view")
+        rec(f"reference gather + .contiguous() (send), {h} heads", lambda h=h: ex[ids, 0:h].contiguous(), nb)
         newb = torch.empty(case.shape(h), device=dev, dtype=DTYPE)
         nex = case.exec_view(newb)
 
         def scatter(nex=nex, part=part, h=h):
             nex[ids, 0:h] = part
-        rec(f"executor scatter new_t[ids, 0:{h}] = buf", scatter, nb, "index_put on the permuted view")
-        src = base[:, :, :, 0:h]
-        rec(f"storage index_select(dim=1), {h} heads", lambda src=src: torch.index_select(src, 1, ids), nb,
-            "block rows of vLLM's layout")
-        flat = part.contiguous()
-        dst = torch.empty(flat.shape, device=dev, dtype=DTYPE)
-        rec(f"plain contiguous copy, same bytes ({h} heads)", lambda dst=dst, flat=flat: dst.copy_(flat), nb)
-        out["ops"][-5]["note"] += f"; output strides {tuple(part.stride())} (contiguous: {part.is_contiguous()})"
-        rec(f"index_select(exec view, 0, ids, out=contiguous), {h} heads",
-            lambda h=h, dst=dst: torch.index_select(ex[:, 0:h], 0, ids, out=dst), nb,
-            "one pass, same result and wire format as the executor's send buffer")
-        rec(f"index_copy_(exec view, 0, ids, buf), {h} heads",
-            lambda nex=nex, flat=flat, h=h: nex[:, 0:h].index_copy_(0, ids, flat), nb,
-            "same result as the executor's scatter")
-        g = torch.index_select(src, 1, ids)
-        rec(f"storage index_copy_(dim=1), {h} heads", lambda newb=newb, g=g: newb.index_copy_(1, ids, g), nb)
-        del part, newb, nex, dst, flat, g, src
+        rec(f"reference scatter new_t[ids, 0:{h}] = buf", scatter, nb, "index_put on the permuted view")
+        flat = torch.empty(nb, dtype=torch.uint8, device=dev)
+        src_flat = torch.randn(nb // 2, device=dev, dtype=DTYPE).view(torch.uint8)
+        rec(f"plain contiguous copy, same bytes ({h} heads)", lambda flat=flat, s=src_flat: flat.copy_(s), nb)
+        nperm = kvm._memory_order(nex)
+        for wide in (16, 8):
+            kvm._MAX_WIDE_BYTES = wide
+            try:
+                sv = kvm._SliceView(ex, perm, 0, h)
+                dv = kvm._SliceView(nex, nperm, 0, h)
+            finally:
+                kvm._MAX_WIDE_BYTES = 16
+            buf = flat.view(sv.m.dtype).view(sv.buffer_shape(ids.numel()))
+            dbuf = flat.view(dv.m.dtype).view(dv.buffer_shape(ids.numel()))
+            rec(f"new gather index_select, {sv.m.element_size()}-byte elements, {h} heads",
+                lambda sv=sv, buf=buf: torch.index_select(sv.m, sv.pb, ids, out=buf), nb,
+                f"memory-order view {tuple(sv.m.shape)} {sv.m.dtype}")
+            rec(f"new scatter index_copy_, {dv.m.element_size()}-byte elements, {h} heads",
+                lambda dv=dv, dbuf=dbuf: dv.m.index_copy_(dv.pb, ids, dbuf), nb)
+            idx = (slice(None),) * dv.pb + (ids,)
+
+            def put(dv=dv, dbuf=dbuf, idx=idx):
+                dv.m[idx] = dbuf
+            rec(f"new scatter index_put_, {dv.m.element_size()}-byte elements, {h} heads", put, nb)
+        kvm._MAX_WIDE_BYTES = 16
+        sv = kvm._SliceView(ex, perm, 0, h)
+        buf = flat.view(sv.m.dtype).view(sv.buffer_shape(ids.numel()))
+        rec(f"new gather, one strided copy per run ({runs.count} runs), {h} heads",
+            lambda sv=sv, buf=buf: [buf.narrow(sv.pb, o, n).copy_(sv.m.narrow(sv.pb, b0, n))
+                                    for o, b0, n in runs.list()], nb, "launch-bound when runs are short")
+        del part, newb, nex, flat, src_flat, buf, dbuf, sv, dv
     del base, ex
     gc.collect()
     if dev.type == "cuda":
@@ -765,7 +819,7 @@ def bench_overlap(name, cfg, mapped, dev, args, report, streams):
     layers = case.fill(A, streams)
     sync(dev)
     t = time.perf_counter()
-    layers, mig = migrate_leg(case, A, B, layers, streams, poison=False, staging_limit=None, trace=None)
+    layers, mig = migrate_leg(case, A, B, layers, streams, poison=False, trace=None)
     t_mig = time.perf_counter() - t
     t = time.perf_counter()
     n_reload = reload_all()
@@ -777,7 +831,7 @@ def bench_overlap(name, cfg, mapped, dev, args, report, streams):
 
     def variant(how: str, copy: str):
         nonlocal layers, ok
-        layers, _ = migrate_leg(case, B, A, layers, streams, poison=False, staging_limit=None, trace=None)
+        layers, _ = migrate_leg(case, B, A, layers, streams, poison=False, trace=None)
         for _, _, arena in shards:
             arena.fill_(float("nan"))
         sync(dev)
@@ -790,14 +844,14 @@ def bench_overlap(name, cfg, mapped, dev, args, report, streams):
 
             th = threading.Thread(target=rel_thread)
             th.start()
-            layers, m = migrate_leg(case, A, B, layers, streams, poison=False, staging_limit=None,
+            layers, m = migrate_leg(case, A, B, layers, streams, poison=False,
                                     trace=None, copy=copy, presync=False)
             th.join()
         else:  # every reload DMA issued first (asynchronous), then the migration
             for pieces, params, _ in shards:
                 loader.load(pieces, params)
             box["issue_s"] = time.perf_counter() - t0
-            layers, m = migrate_leg(case, A, B, layers, streams, poison=False, staging_limit=None,
+            layers, m = migrate_leg(case, A, B, layers, streams, poison=False,
                                     trace=None, copy=copy, presync=False)
             if reload_stream is not None:
                 reload_stream.synchronize()
@@ -907,30 +961,54 @@ def targets(report) -> dict:
                     pct = [100 * x["GBps"] / pinned for x in rows]
                     t[f"reload_{name}_{mode}_pct_of_pinned"] = {"min": min(pct), "median": statistics.median(pct),
                                                                 "max": max(pct), "target": 80}
-    kv = [r for run in report.get("kv", {}).get("runs", []) for r in run["rows"]]
-    if kv and "pct_of_d2d" in kv[0]:
-        big = [r for run in report["kv"]["runs"] if run["tokens"] >= 50000 for r in run["rows"]] or kv
-        t["kv_pct_of_d2d"] = {"median_all": statistics.median(r["pct_of_d2d"] for r in kv),
-                              "median_ge_50k_tokens": statistics.median(r["pct_of_d2d"] for r in big),
-                              "max": max(r["pct_of_d2d"] for r in kv), "target": 70}
-        t["kv_hbm_pct_of_d2d"] = {"median_ge_50k_tokens": statistics.median(r["hbm_pct_of_d2d"] for r in big)}
+    t.update(kv_targets(report.get("kv", {})))
+    return t
+
+
+def _rows_of(kv: dict) -> list[dict]:
+    return [r for run in kv.get("runs", []) for r in run["rows"]]
+
+
+def kv_targets(kv: dict) -> dict:
+    """KV figures against the targets (≥ 70 % of the d2d copy ceiling; peak extra ≤ one layer +
+    10 %). Reads this executor's rows (default = staging limit ``auto``; ``unlimited``;
+    ``reference``) and the first run's schema (default = no limit; ``chunked``) alike."""
+    t: dict = {}
+    kv_rows = _rows_of(kv)
+    if not kv_rows or "pct_of_d2d" not in kv_rows[0]:
+        return t
+    big = [r for run in kv["runs"] if run["tokens"] >= 50000 for r in run["rows"]] or kv_rows
+    t["kv_pct_of_d2d"] = {"median_all": statistics.median(r["pct_of_d2d"] for r in kv_rows),
+                          "median_ge_50k_tokens": statistics.median(r["pct_of_d2d"] for r in big),
+                          "max": max(r["pct_of_d2d"] for r in kv_rows), "target": 70}
+    t["kv_hbm_pct_of_d2d"] = {"median_ge_50k_tokens": statistics.median(r["hbm_pct_of_d2d"] for r in big),
+                              "max": max(r["hbm_pct_of_d2d"] for r in kv_rows)}
+    for var in ("unlimited", "reference"):
+        sub = [r[var] for r in big if var in r and "pct_of_d2d" in r[var]]
+        if sub:
+            t[f"kv_{var}_pct_of_d2d"] = {"median_ge_50k_tokens": statistics.median(x["pct_of_d2d"] for x in sub),
+                                         "hbm_median_ge_50k_tokens": statistics.median(x["hbm_pct_of_d2d"] for x in sub)}
+    alt = "unlimited" if any("unlimited" in r for r in kv_rows) else "chunked"
     for key, label in (("alloc_max_rank_vs_layer", "per_rank_allocator"),
                        ("executor_max_rank_vs_layer", "per_rank_executor")):
-        d = [r["peak"][key] for r in kv if key in r["peak"]]
-        c = [r["chunked"]["peak"][key] for r in kv if "chunked" in r and key in r["chunked"]["peak"]]
+        d = [r["peak"][key] for r in kv_rows if key in r["peak"]]
+        c = [r[alt]["peak"][key] for r in kv_rows if alt in r and key in r[alt].get("peak", {})]
         if d:
             t[f"peak_extra_{label}_vs_one_layer"] = {
-                "default_max": max(d), "chunked_max": max(c) if c else None, "target": 1.10,
+                "default_max": max(d), f"{alt}_max": max(c) if c else None, "target": 1.10,
                 "default_pairs_within": sum(x <= 1.10 for x in d), "pairs": len(d),
-                "chunked_pairs_within": sum(x <= 1.10 for x in c) if c else None}
+                f"{alt}_pairs_within": sum(x <= 1.10 for x in c) if c else None}
     return t
+
+
+_OK_KEYS = ("ok_unlimited", "ok_reference", "ok_chunked")
 
 
 def correctness(report) -> dict:
     rel = [(n, m, r["topology"], r["ok"]) for n, x in report.get("reload", {}).items()
            for m, mm in x.get("modes", {}).items() for r in mm["topologies"]]
     kv = [r for run in report.get("kv", {}).get("runs", []) for r in run["rows"]]
-    ok_kv = all(r["ok"] and r.get("ok_chunked", True) for r in kv) and not any(
+    ok_kv = all(r["ok"] and all(r.get(k, True) for k in _OK_KEYS) for r in kv) and not any(
         run.get("errors") for run in report.get("kv", {}).get("runs", []))
     ok_kv = ok_kv and "error" not in report.get("kv", {})
     ov = report.get("overlap", {}).get("ok", True)
@@ -938,7 +1016,7 @@ def correctness(report) -> dict:
     base = all(x.get("baseline_remp_shm", {}).get("ok", True) for x in report.get("reload", {}).values())
     base = base and not rel_err
     return {"reload_checks": len(rel), "reload_all_ok": all(x[3] for x in rel) and base,
-            "kv_directions_checked": len(kv), "kv_checks": sum(1 + ("ok_chunked" in r) for r in kv),
+            "kv_directions_checked": len(kv), "kv_checks": sum(1 + sum(k in r for k in _OK_KEYS) for r in kv),
             "kv_all_ok": ok_kv, "overlap_ok": ov,
             "all_ok": all(x[3] for x in rel) and base and ok_kv and ov}
 
@@ -1002,56 +1080,10 @@ def markdown(report) -> str:
             L += ["", f"For reference, the engine path's way (`remp_shm`: `safe_open().get_tensor()` of each "
                   f"whole tensor, then the cut copied from pageable memory), TP2PP2 rank 0: {b['GBps']:.1f} GB/s."]
         L.append("")
-    kv = report.get("kv", {})
-    if kv.get("runs"):
-        L += ["## KV migration (all emulated ranks on the one GPU)", "",
-              "Executor: `migrate_kv` per rank, one thread and CUDA stream per rank, `LocalTransport` "
-              "copies between ranks' allocations. GB/s = live KV bytes moved (remote + local slices) / wall "
-              "time of the timed (unpoisoned) leg. *hbm %* counts the HBM passes the executor makes on one GPU "
-              "(remote: gather → transport copy → scatter; local: gather → scatter). Peak extra: allocator "
-              "history per rank stream, the peak above the larger of the rank's KV before and after the "
-              "switch (max over ranks; the executor's own accounting where no allocator history exists) "
-              "÷ one full layer's KV (all KV heads, whole pool); global = torch.cuda.max_memory_allocated "
-              "delta with all ranks running at once; "
-              "*chunked* = same executor with `staging_limit_bytes` = "
-              f"{report['args']['chunk_frac']:.0%} of a layer.", "",
-              "| model | live tokens | pairs | one layer GB | GB/s median (min–max) | % d2d median | hbm % median | "
-              "peak/layer max (default) | peak/layer max (chunked) | global peak/layer max | all ok |",
-              "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-        for run in kv["runs"]:
-            rows = run["rows"]
-            if not rows:
-                continue
-            g = [x["GBps"] for x in rows]
-            pk = [x["peak"].get("alloc_max_rank_vs_layer", x["peak"]["executor_max_rank_vs_layer"]) for x in rows]
-            ck = [x["chunked"]["peak"].get("alloc_max_rank_vs_layer", x["chunked"]["peak"]["executor_max_rank_vs_layer"])
-                  for x in rows if "chunked" in x]
-            gl = [x["peak"]["global_vs_layer"] for x in rows if "global_vs_layer" in x["peak"]]
-            L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {run['one_layer_kv_bytes'] / GB:.3f} | "
-                     f"{statistics.median(g):.0f} ({min(g):.0f}–{max(g):.0f}) | "
-                     f"{fmt(statistics.median(x.get('pct_of_d2d', 0) for x in rows))} | "
-                     f"{fmt(statistics.median(x.get('hbm_pct_of_d2d', 0) for x in rows))} | {max(pk):.2f} | "
-                     f"{fmt(max(ck) if ck else None, '{:.2f}')} | {fmt(max(gl) if gl else None, '{:.2f}')} | "
-                     f"{all(x['ok'] and x.get('ok_chunked', True) for x in rows)} |")
-        big = [run for run in kv["runs"] if run["pairs"] == "x8"]
-        for run in big:
-            L += ["", f"### {run['model']}, {run['tokens']} live tokens, the x8 set (every ordered pair)", "",
-                  "| old → new | GB moved | ms | GB/s | % d2d | hbm % | chunked GB/s | peak/layer | chunked peak/layer | ok |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-            for x in run["rows"]:
-                p = x["peak"].get("alloc_max_rank_vs_layer", x["peak"]["executor_max_rank_vs_layer"])
-                ch = x.get("chunked", {})
-                cp = ch.get("peak", {}).get("alloc_max_rank_vs_layer") if ch else None
-                L.append(f"| {x['old']} → {x['new']} | {x['bytes_moved'] / GB:.2f} | {x['seconds'] * 1e3:.1f} | "
-                         f"{x['GBps']:.0f} | {fmt(x.get('pct_of_d2d'))} | {fmt(x.get('hbm_pct_of_d2d'))} | "
-                         f"{fmt(ch.get('GBps'), '{:.0f}')} | {p:.2f} | {fmt(cp, '{:.2f}')} | {x['ok'] and x.get('ok_chunked', True)} |")
-        sk = [f"{run['model']} {run['tokens']}: {len(run['skipped'])} pairs" for run in kv["runs"] if run["skipped"]]
-        if sk:
-            L += ["", "Skipped for the time budget: " + "; ".join(sk) + "."]
-        L.append("")
+    L += kv_markdown(report)
     ov = report.get("overlap")
     if ov:
-        L += ["## Overlap of MIGRATE_KV and RELOAD_SHARDS", "",
+        L += ["## Overlap of MIGRATE_KV and RELOAD_SHARDS" + _src_note(report, "overlap"), "",
               f"{ov['model']}, {ov['pair']}, {ov['tokens']} live tokens ({ov['kv_bytes_moved'] / GB:.1f} GB KV moved), "
               f"reload of all 8 new shards ({ov['reload_bytes'] / GB:.1f} GB) on its own stream and thread.", "",
               "| migrate | reload | sequential | overlapped | saving | share of the shorter phase hidden | ok |",
@@ -1072,8 +1104,9 @@ def markdown(report) -> str:
             L.append("")
     ops = report.get("kv_ops", {})
     if ops.get("ops"):
-        L += ["## Why KV migration is far from the copy ceiling: the executor's ops on one layer", "",
-              f"One 13B-shaped layer ({ops['model_layer']}, {ops['live_blocks']} live blocks), each op "
+        L += ["## The executors' gather/scatter ops on one layer" + _src_note(report, "ops"), "",
+              f"One 13B-shaped layer ({ops['model_layer']}, {ops['live_blocks']} live blocks in "
+              f"{ops.get('runs', '?')} runs of consecutive ids), each op "
               "timed alone (median of 5), GB/s of the bytes gathered / scattered:", "",
               "| op | GB | ms | GB/s | % of d2d copy |", "| --- | ---: | ---: | ---: | ---: |"]
         cc = c.get("d2d_copy_GBps")
@@ -1107,6 +1140,107 @@ def markdown(report) -> str:
     if report.get("notes"):
         L += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(L)
+
+
+def _src_note(report, sec: str) -> str:
+    src = report.get("sources", {}).get(sec)
+    return f" *(from {src['file']}, {src['date']})*" if src else ""
+
+
+def kv_markdown(report) -> list[str]:
+    kv = report.get("kv", {})
+    L: list[str] = []
+    if not kv.get("runs"):
+        return L
+    L += ["## KV migration (all emulated ranks on the one GPU)" + _src_note(report, "kv"), "",
+          "Executor: `migrate_kv` per rank, one thread and CUDA stream per rank, `LocalTransport` "
+          "copies between ranks' allocations. *default* = the executor as shipped (staging limit `auto` = "
+          f"{kv['runs'][0].get('staging_fraction', 0.1):.0%} of one full layer; runs of ≤ "
+          f"{kv['runs'][0].get('run_copy_max_runs', '?')} consecutive-id runs copied per run, more by one "
+          "`index_select` / `index_copy_` on the memory-order view as 16-byte elements); *unlimited* = same "
+          "executor, no staging limit; *reference* = the first executor (`migrate_kv_reference`: "
+          "advanced-index gather, `.contiguous()`, `index_put` scatter), timed in the same run. GB/s = live KV "
+          "bytes moved (remote + local slices) / wall time of a timed (unpoisoned) leg. *% d2d* = that ÷ the "
+          "d2d copy ceiling; *hbm %* counts the HBM passes the executor makes on one GPU (remote: gather → "
+          "transport copy → scatter = 3 passes; local: gather → scatter = 2), so on one GPU *% d2d* cannot "
+          "exceed ~33 % for remote bytes even with every pass at the ceiling. Peak extra: allocator history "
+          "per rank stream, the peak above the larger of the rank's KV before and after the switch (max over "
+          "ranks) ÷ one full layer's KV (all KV heads, whole pool); global = torch.cuda.max_memory_allocated "
+          "delta with all ranks running at once. Every direction of every pair: destinations NaN-poisoned, "
+          "every live block compared bit for bit with the source, every free block checked still NaN "
+          "(default and unlimited); reference legs check the live blocks.", "",
+          "| model | live tokens | pairs | one layer GB | id runs | default GB/s median (min–max) | % d2d median "
+          "| hbm % median | unlimited GB/s | unlimited hbm % | reference GB/s | speed-up vs reference | "
+          "peak/layer max (default) | peak/layer max (unlimited) | global peak/layer max | all ok |",
+          "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    for run in kv["runs"]:
+        rows = run["rows"]
+        if not rows:
+            continue
+        g = [x["GBps"] for x in rows]
+        un = [x["unlimited"] for x in rows if "unlimited" in x]
+        ref = [x["reference"] for x in rows if "reference" in x]
+        speed = med([x["GBps"] / x["reference"]["GBps"] for x in rows if "reference" in x])
+        pk = [_peak_of(x["peak"]) for x in rows]
+        pu = [_peak_of(u["peak"]) for u in un]
+        gl = [x["peak"]["global_vs_layer"] for x in rows if "global_vs_layer" in x["peak"]]
+        ok = all(x["ok"] and all(x.get(k, True) for k in _OK_KEYS) for x in rows)
+        L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {run['one_layer_kv_bytes'] / GB:.3f} | "
+                 f"{run.get('runs_of_consecutive_ids', '–')} | {statistics.median(g):.0f} ({min(g):.0f}–{max(g):.0f}) | "
+                 f"{fmt(med(x.get('pct_of_d2d') for x in rows))} | {fmt(med(x.get('hbm_pct_of_d2d') for x in rows))} | "
+                 f"{fmt(med(u['GBps'] for u in un), '{:.0f}')} | {fmt(med(u.get('hbm_pct_of_d2d') for u in un))} | "
+                 f"{fmt(med(r['GBps'] for r in ref), '{:.0f}')} | {fmt(speed, '{:.1f}×')} | {max(pk):.2f} | "
+                 f"{fmt(max(pu) if pu else None, '{:.2f}')} | {fmt(max(gl) if gl else None, '{:.2f}')} | {ok} |")
+    for run in [r for r in kv["runs"] if r["pairs"] == "x8" and r["rows"]]:
+        L += ["", f"### {run['model']}, {run['tokens']} live tokens, the x8 set (every ordered pair)", "",
+              "| old → new | GB moved | ms | GB/s | % d2d | hbm % | unlimited GB/s | reference GB/s | "
+              "peak/layer | unlimited peak/layer | ok |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for x in run["rows"]:
+            un, ref = x.get("unlimited", {}), x.get("reference", {})
+            L.append(f"| {x['old']} → {x['new']} | {x['bytes_moved'] / GB:.2f} | {x['seconds'] * 1e3:.1f} | "
+                     f"{x['GBps']:.0f} | {fmt(x.get('pct_of_d2d'))} | {fmt(x.get('hbm_pct_of_d2d'))} | "
+                     f"{fmt(un.get('GBps'), '{:.0f}')} | {fmt(ref.get('GBps'), '{:.0f}')} | {_peak_of(x['peak']):.2f} | "
+                     f"{fmt(_peak_of(un['peak']) if un else None, '{:.2f}')} | "
+                     f"{x['ok'] and all(x.get(k, True) for k in _OK_KEYS)} |")
+    sk = [f"{run['model']} {run['tokens']}: {len(run['skipped'])} pairs ({run.get('skipped_reason', 'time budget')})"
+          for run in kv["runs"] if run["skipped"]]
+    if sk:
+        L += ["", "Not run: " + "; ".join(sk) + "."]
+    if kv.get("note"):
+        L += ["", f"Note: {kv['note']}."]
+    L.append("")
+    before = (report.get("superseded", {}).get("kv") or [None])[0]
+    if before and before.get("data", {}).get("runs"):
+        b = before["data"]
+        L += [f"### Before: the first executor's sweep *(from {before['file']}, {before['date']}; replaced by the "
+              "table above)*", "",
+              "Default = no staging limit (then the only behaviour); *chunked* = `staging_limit_bytes` = 10 % of a layer.", "",
+              "| model | live tokens | pairs | GB/s median (min–max) | % d2d median | hbm % median | "
+              "peak/layer max (default) | peak/layer max (chunked) | chunked GB/s median |",
+              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for run in b["runs"]:
+            rows = run["rows"]
+            if not rows:
+                continue
+            g = [x["GBps"] for x in rows]
+            ch = [x["chunked"] for x in rows if "chunked" in x]
+            L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {statistics.median(g):.0f} "
+                     f"({min(g):.0f}–{max(g):.0f}) | {fmt(med(x.get('pct_of_d2d') for x in rows))} | "
+                     f"{fmt(med(x.get('hbm_pct_of_d2d') for x in rows))} | {max(_peak_of(x['peak']) for x in rows):.2f} | "
+                     f"{fmt(max(_peak_of(c['peak']) for c in ch) if ch else None, '{:.2f}')} | "
+                     f"{fmt(med(c['GBps'] for c in ch), '{:.0f}')} |")
+        bt = kv_targets(b)
+        if bt.get("kv_pct_of_d2d"):
+            L += ["", f"Then: {bt['kv_pct_of_d2d']['median_ge_50k_tokens']:.1f} % of d2d (median, ≥ 50 k tokens), "
+                  f"hbm {bt['kv_hbm_pct_of_d2d']['median_ge_50k_tokens']:.1f} %."]
+        L.append("")
+    return L
 
 
 def device_info(dev) -> dict:
@@ -1229,12 +1363,19 @@ def merge_reports(paths: list[str], out: Path) -> dict:
                                      ("kv", "kv")) if key in rep]
         runs.append({"file": Path(p).name, "date": rep["date"], "sections": ["ceilings"] + secs,
                      "wall_seconds": rep.get("wall_seconds"), "ceilings": rep.get("ceilings")})
+        src = {"file": Path(p).name, "date": rep["date"]}
         if not merged:
             merged = rep
+            merged.pop("superseded", None)
+            merged["sources"] = {sec: src for sec in secs}
             continue
         for sec, key in (("ops", "kv_ops"), ("reload", "reload"), ("overlap", "overlap"), ("kv", "kv")):
             if sec in secs and key in rep:
+                if key in merged:  # keep what a later run replaces (before/after tables), oldest first
+                    merged.setdefault("superseded", {}).setdefault(sec, []).append(
+                        {**merged["sources"].get(sec, {}), "data": merged[key]})
                 merged[key] = rep[key]
+                merged["sources"][sec] = src
     merged["runs"] = runs
     merged["wall_seconds"] = sum(r["wall_seconds"] or 0 for r in runs)
     merged["prediction"] = predict(merged, None)
@@ -1259,7 +1400,8 @@ def parse_args(argv=None):
     ap.add_argument("--kv-plan", default=None,
                     help="model index:live tokens:all|x8, comma-separated, in priority order "
                          "(default: " + DEFAULT_PLAN + "; with --small: " + SMALL_PLAN + ")")
-    ap.add_argument("--chunk-frac", type=float, default=0.1, help="staging limit, share of one layer")
+    ap.add_argument("--kv-variants", default="unlimited,reference",
+                    help="besides the default executor: unlimited (no staging limit), reference (first executor)")
     ap.add_argument("--overlap-tokens", type=int, default=50000)
     ap.add_argument("--small-tokens", type=int, default=300)
     ap.add_argument("--only", default=None, help="comma list of sections: ops,reload,overlap,kv "

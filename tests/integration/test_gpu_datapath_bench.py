@@ -37,12 +37,14 @@ def test_all_checks_pass(report):
     assert c["all_ok"], c
     assert c["reload_checks"] == 2 * 10  # two models × every TP×PP with TP·PP ≤ 8
     assert c["kv_directions_checked"] == 2 * 12  # two models × every ordered pair of the x8 set
-    assert c["kv_checks"] == 2 * c["kv_directions_checked"]  # default and chunked executor
+    # default executor, unlimited staging, and the first (reference) executor
+    assert c["kv_checks"] == 3 * c["kv_directions_checked"]
     for run in rep["kv"]["runs"]:
         assert not run["skipped"]
         for row in run["rows"]:
-            assert row["ok"] and row["ok_chunked"], row
+            assert row["ok"] and row["ok_unlimited"] and row["ok_reference"], row
             assert row["bytes_moved"] > 0
+            assert row["reference"]["GBps"] > 0 and row["unlimited"]["GBps"] > 0
 
 
 def test_json_and_markdown_written(report):
@@ -60,7 +62,7 @@ def test_json_and_markdown_written(report):
         assert all(r["ok"] and r["bytes"] > 0 for r in rows)
         assert model["baseline_remp_shm"]["ok"]
     row = data["kv"]["runs"][0]["rows"][0]
-    for key in ("old", "new", "seconds", "GBps", "bytes_moved", "peak", "chunked", "pct_of_d2d"):
+    for key in ("old", "new", "seconds", "GBps", "bytes_moved", "peak", "unlimited", "reference", "pct_of_d2d"):
         assert key in row, key
     assert data["overlap"]["ok"]
     md = (out / "gpu_datapath_cpu.md").read_text()

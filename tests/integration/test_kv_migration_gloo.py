@@ -104,3 +104,25 @@ def test_injected_fault_stops_midway():
     for rank, status, new_done, old_left in res:
         assert status == "fault"
         assert len(old_left) == 2  # two layers not moved yet: still present for rollback
+
+
+LIVE_SETS = {
+    "gaps": sorted(__import__("random").Random(3).sample(range(NB), 40)),  # many runs: index ops
+    "one_run": list(range(10, 50)),  # one run: sent from / received into the layer in place
+    "all": list(range(NB)),
+}
+
+
+@pytest.mark.parametrize("live_name", list(LIVE_SETS))
+@pytest.mark.parametrize("old,new", [(Topology(2, 1), Topology(1, 2)), (Topology(4, 1), Topology(2, 2))],
+                         ids=lambda t: str(t))
+def test_runs_and_gaps_over_gloo(old, new, live_name):
+    """Block id sets with gaps (index_select / index_copy_), one run (no staging) and every block,
+    over real gloo: exact, free blocks untouched, every old layer released."""
+    res = run(old, new, LIVE_SETS[live_name])
+    b = RankView(new, L, H)
+    for rank, ok, layers, old_left, stats, _ in res:
+        assert ok, (rank, stats)
+        assert layers == list(b.layers_of(rank))
+        assert old_left == 0
+    assert sum(r[4]["bytes_sent"] for r in res) == sum(r[4]["bytes_received"] for r in res) > 0
