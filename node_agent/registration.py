@@ -61,15 +61,10 @@ class TrafficWindow:
 
     async def sample(self, agent: "NodeAgent") -> types_pb2.TrafficSample:
         now, cur = time.monotonic(), self._read()
-        delta = {k: max(0.0, cur[k] - self._last.get(k, 0.0)) for k in cur}
+        delta = {k: max(0.0, cur[k] - self._last.get(k, 0.0))
+                 for k in ("requests", "input_tokens", "output_tokens")}
         window, self._last, self._t = now - self._t, cur, now
-        running = waiting = 0
-        if agent.status == "serving" and agent.engine is not None and agent.current is None:
-            try:
-                info = await asyncio.wait_for(agent.engine.engine_info(), timeout=2)
-                running, waiting = info["running"], info["waiting"]
-            except (asyncio.TimeoutError, RuntimeError):
-                pass
+        running, waiting = int(cur.get("running", 0)), int(cur.get("waiting", 0))
         at = Timestamp()
         at.FromNanoseconds(time.time_ns())
         return types_pb2.TrafficSample(

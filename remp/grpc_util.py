@@ -32,6 +32,10 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
+        # accept the clients' keepalive pings (channel_options: every 30 s, also when idle);
+        # with gRPC's server defaults they earn a GOAWAY (too_many_pings) and a reconnect
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
 
 

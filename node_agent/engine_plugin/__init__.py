@@ -92,19 +92,25 @@ class VllmInternalsMoved(RuntimeError):
 # traffic. Names are vLLM's public metrics (stable across releases, unlike its internals).
 TRAFFIC_METRICS = {"requests": "vllm:request_success", "input_tokens": "vllm:prompt_tokens",
                    "output_tokens": "vllm:generation_tokens"}
+TRAFFIC_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
 
 
 def traffic_counters() -> dict[str, float]:
-    """Cumulative finished requests and prompt / generated tokens since the engine started."""
+    """Cumulative finished requests and prompt / generated tokens since the engine started, and
+    the running / waiting gauges — read from this process's registry, so a heartbeat never calls
+    into the engine core (a utility call there was measured to delay a switch's final event by
+    up to 1 s)."""
     from prometheus_client import REGISTRY
 
-    out = dict.fromkeys(TRAFFIC_METRICS, 0.0)
-    want = {v: k for k, v in TRAFFIC_METRICS.items()}
+    out = dict.fromkeys([*TRAFFIC_METRICS, *TRAFFIC_GAUGES], 0.0)
+    counters = {v: k for k, v in TRAFFIC_METRICS.items()}
+    gauges = {v: k for k, v in TRAFFIC_GAUGES.items()}
     for fam in REGISTRY.collect():
-        key = want.get(fam.name)
-        if key is None:
-            continue
-        out[key] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        if fam.name in counters:
+            out[counters[fam.name]] += sum(s.value for s in fam.samples
+                                           if s.name.endswith("_total"))
+        elif fam.name in gauges:
+            out[gauges[fam.name]] += sum(s.value for s in fam.samples)
     return out
 
 
