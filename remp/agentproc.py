@@ -320,6 +320,23 @@ class ControllerProcess:
         raise TimeoutError(f"controller not ready in {timeout}s:\n"
                            + self.log_path.read_text()[-3000:])
 
+    def wait_node_ready(self, node: str, timeout: float = 60):
+        """Until ``node`` has registered and is READY; returns its NodeState."""
+        from remp.controller.v1 import controller_pb2
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with grpc.insecure_channel(self.addr) as ch:
+                try:
+                    st = self.stub(ch).GetState(controller_pb2.GetStateRequest(node=node),
+                                                timeout=5)
+                    if st.health == controller_pb2.NODE_HEALTH_READY:
+                        return st
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"node {node} did not register with the controller in {timeout}s")
+
     def log_has(self, event: str) -> bool:
         try:
             return f'"event": "{event}"' in self.log_path.read_text()

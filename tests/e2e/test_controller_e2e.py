@@ -47,18 +47,8 @@ def stack(tiny_model, artifacts_dir):
             ctl.stop()
 
 
-def wait_registered(ctl, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with grpc.insecure_channel(ctl.addr) as ch:
-            try:
-                st = ctl.stub(ch).GetState(controller_pb2.GetStateRequest(node=NODE), timeout=5)
-                if st.health == controller_pb2.NODE_HEALTH_READY:
-                    return st
-            except grpc.RpcError:
-                pass
-        time.sleep(0.2)
-    raise TimeoutError("agent did not register")
+def wait_registered(ctl):
+    return ctl.wait_node_ready(NODE)
 
 
 def call(ctl, method, req, md=True, timeout=10):

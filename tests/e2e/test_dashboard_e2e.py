@@ -49,24 +49,10 @@ def stack(tiny_model, artifacts_dir):
         try:
             with agent, DashboardProcess(ctl.addr, artifacts_dir, token=TOKEN,
                                          name="dash-e2e") as dash:
-                wait_node(ctl)
+                ctl.wait_node_ready(NODE)
                 yield ctl, agent, dash
         finally:
             ctl.stop()
-
-
-def wait_node(ctl, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with grpc.insecure_channel(ctl.addr) as ch:
-            try:
-                st = ctl.stub(ch).GetState(controller_pb2.GetStateRequest(node=NODE), timeout=5)
-                if st.health == controller_pb2.NODE_HEALTH_READY:
-                    return st
-            except grpc.RpcError:
-                pass
-        time.sleep(0.2)
-    raise TimeoutError("agent did not register")
 
 
 @pytest.fixture(scope="module")

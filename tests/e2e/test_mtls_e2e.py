@@ -40,14 +40,7 @@ def test_controller_drives_an_agent_over_mtls(tiny_model, artifacts_dir, tmp_pat
             with agent:
                 with grpc.insecure_channel(ctl.addr) as ch:
                     stub = ctl.stub(ch)
-                    deadline = time.monotonic() + 60
-                    while True:
-                        try:
-                            stub.GetState(controller_pb2.GetStateRequest(node=NODE), timeout=5)
-                            break
-                        except grpc.RpcError:
-                            assert time.monotonic() < deadline, "agent did not register"
-                            time.sleep(0.2)
+                    ctl.wait_node_ready(NODE)
                     # the controller without a client certificate cannot reach the agent
                     with grpc.insecure_channel(plain.addr) as pch:
                         with pytest.raises(grpc.RpcError) as ei:
