@@ -80,17 +80,13 @@ class Plan:
 
 def check_target(facts: NodeFacts, current: Topology, target: Topology) -> None:
     """INVALID_ARGUMENT naming the valid targets when ``target`` cannot be switched to."""
-    valid = [t for t in facts.candidates if t.world_size == current.world_size]
+    valid = list(facts.candidates)
     problems = topology_problems(target, facts.shape, facts.devices)
     if problems:
         raise InvalidArgument(f"invalid target {target}: {'; '.join(problems)} "
                               f"(valid targets: {format_topologies(valid)})")
     if target not in facts.candidates:
         raise InvalidArgument(f"target {target} is not a candidate of this node "
-                              f"(valid targets: {format_topologies(valid)})")
-    if target.world_size != current.world_size:
-        raise InvalidArgument(f"target {target} changes the world size ({current.world_size} → "
-                              f"{target.world_size} workers), not supported yet "
                               f"(valid targets: {format_topologies(valid)})")
 
 

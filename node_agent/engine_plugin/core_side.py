@@ -93,24 +93,133 @@ def _remp_sw_activate(self, tp: int, pp: int, fault: str) -> list:
     return _rpc(self, "remp_sw_activate", tp, pp, fault)
 
 
+def _units_per_block(self, tp: int, pp: int) -> int:
+    """A block's per-rank size in (layer, KV head) units: what a topology change rescales."""
+    hf = self.vllm_config.model_config.hf_text_config
+    heads = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+    return (hf.num_hidden_layers // pp) * (heads // tp)
+
+
+def _request_blocks(self, req) -> list[int]:
+    kvm = self.scheduler.kv_cache_manager
+    return [b for g in kvm.get_block_ids(req.request_id) for b in g]
+
+
+def _plan_pool(self, tp: int, pp: int) -> dict:
+    """The block pool of the target topology. Every rank keeps the per-rank KV byte budget the
+    engine started with, so when a block's per-rank size changes (world size changes) the pool
+    is resized: growing appends free blocks; shrinking displaces the fewest running requests
+    needed (remp.recovery.plan_pool_resize), drops prefix-cache-only blocks, and renumbers the
+    kept blocks that lie beyond the new end into free ids below it (compaction)."""
+    from remp.recovery import RunningRequest, blocks_for, plan_pool_resize
+
+    sched = self.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    old_n = pool.num_gpu_blocks
+    units = _units_per_block(self, tp, pp)
+    new_n = self._remp_budget_units // units
+    if new_n >= old_n:
+        ids = _live_block_ids(self)
+        return {"num_blocks": new_n, "ids": ids, "dst_ids": ids, "displaced": [], "remap": {}}
+    bs = self.vllm_config.cache_config.block_size
+    running = [RunningRequest(r.request_id, len(_request_blocks(self, r)),
+                              blocks_for(r.num_computed_tokens + 1, bs),
+                              max(0, (getattr(r, "max_tokens", 0) or 0) - r.num_output_tokens))
+               for r in sched.running]
+    plan = plan_pool_resize(self._remp_budget_units, units, running, reserved_blocks=1)
+    if plan.num_blocks < 2:
+        raise RuntimeError(f"TP{tp}PP{pp}: the KV budget holds {plan.num_blocks} blocks per rank")
+    displaced = set(plan.displaced)
+    kept_ids: list[int] = []
+    seen: set[int] = set()
+    for r in sched.running:
+        if r.request_id in displaced:
+            continue
+        for b in _request_blocks(self, r):
+            if b not in seen and not pool.blocks[b].is_null:
+                seen.add(b)
+                kept_ids.append(b)
+    kept_ids.sort()
+    free_low = (i for i in range(1, new_n) if i not in seen)
+    remap = {b: next(free_low) for b in kept_ids if b >= new_n}
+    return {"num_blocks": plan.num_blocks, "ids": kept_ids,
+            "dst_ids": [remap.get(b, b) for b in kept_ids], "displaced": list(plan.displaced),
+            "remap": remap}
+
+
 def _remp_sw_data_path(self, overlap: bool, fault: str) -> dict:
-    ids = _live_block_ids(self)
+    sw = self._remp_sw
+    pool = self.scheduler.kv_cache_manager.block_pool
+    sw["pool"] = pp_ = _plan_pool(self, *sw["to"])
+    ids, dst_ids = pp_["ids"], pp_["dst_ids"]
     if fault == "SKIP_KV":  # test-only control: the running requests' blocks are not moved
         kvm = self.scheduler.kv_cache_manager
         theirs = {b for r in self.scheduler.running for g in kvm.get_block_ids(r.request_id)
                   for b in g}
-        ids, fault = [b for b in ids if b not in theirs], ""
-    pool = self.scheduler.kv_cache_manager.block_pool
-    res = _rpc(self, "remp_sw_data_path", ids, overlap, fault)
-    return {"live_blocks": len(ids), "num_blocks": pool.num_gpu_blocks, "workers": res}
+        keep = [i for i, b in enumerate(ids) if b not in theirs]
+        ids, dst_ids, fault = [ids[i] for i in keep], [dst_ids[i] for i in keep], ""
+    res = _rpc(self, "remp_sw_data_path", ids, overlap, fault, dst_ids, pp_["num_blocks"])
+    return {"live_blocks": len(ids), "num_blocks": pool.num_gpu_blocks,
+            "new_num_blocks": pp_["num_blocks"], "displaced": len(pp_["displaced"]),
+            "workers": res}
+
+
+def _resize_pool(self, plan: dict) -> None:
+    """Apply a :func:`_plan_pool` plan to the scheduler's block pool (after every worker
+    rebound): displace, evict, renumber, then shrink or grow the pool."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    sched = self.scheduler
+    kvm = sched.kv_cache_manager
+    pool = kvm.block_pool
+    old_n, new_n = pool.num_gpu_blocks, plan["num_blocks"]
+    if new_n == old_n:
+        return
+    now = time.monotonic()
+    for rid in plan["displaced"]:
+        req = sched.requests[rid]
+        sched.running.remove(req)
+        sched._preempt_request(req, now, drop_stale_output=True)
+        sched.prev_step_scheduled_req_ids.discard(rid)
+    if new_n > old_n:
+        extra = [KVCacheBlock(i, pool=pool) for i in range(old_n, new_n)]
+        pool.blocks.extend(extra)
+        pool.free_block_queue.append_n(extra)
+    else:
+        # prefix-cache-only blocks were not carried (nor the displaced requests' blocks, free
+        # now): their cache entries would point at KV that is no longer there
+        for b in pool.blocks:
+            if b.ref_cnt == 0 and not b.is_null:
+                pool._maybe_evict_cached_block(b)
+        for old, new in plan["remap"].items():
+            held, spare = pool.blocks[old], pool.blocks[new]
+            assert held.ref_cnt > 0 and spare.ref_cnt == 0, (old, new)
+            pool._maybe_evict_cached_block(held)  # renumbered: its cache entry would be stale
+            held.block_id, spare.block_id = new, old
+            pool.blocks[new], pool.blocks[old] = held, spare
+        free = [b for b in pool.free_block_queue.get_all_free_blocks() if b.block_id < new_n]
+        for b in pool.blocks[new_n:]:
+            assert b.ref_cnt == 0, b
+            pool._maybe_evict_cached_block(b)
+            b.prev_free_block = b.next_free_block = None
+        for b in free:
+            b.prev_free_block = b.next_free_block = None
+        del pool.blocks[new_n:]
+        pool.free_block_queue = FreeKVCacheBlockQueue(free)
+    pool.num_gpu_blocks = new_n
+    kvm.watermark_blocks = int(kvm.watermark_blocks * new_n / old_n) if old_n else 0
+    sched.kv_cache_config.num_blocks = new_n
+    self.vllm_config.cache_config.num_gpu_blocks = new_n
 
 
 def _apply_topology(self, tp: int, pp: int) -> None:
-    """Engine-core state that depends on TP/PP (vLLM 0.32.0): sizes, output rank, PP batching."""
+    """Engine-core state that depends on TP/PP (vLLM 0.32.0): sizes, output rank, PP batching.
+    The active ranks are 0 .. TP·PP-1 (the rest are STANDBY): the output rank is the first TP
+    rank of the last active stage, not of the last worker process."""
     pc = self.vllm_config.parallel_config
     pc.tensor_parallel_size, pc.pipeline_parallel_size = tp, pp
     ex = self.model_executor
-    ex.output_rank = ex._get_output_rank()
+    ex.output_rank = ex._get_output_rank() - (ex.world_size - tp * pp)
     self.scheduler.use_pp = pp > 1
     self.batch_queue_size = self.vllm_config.max_concurrent_batches
     self.batch_queue = deque(maxlen=self.batch_queue_size) if self.batch_queue_size > 1 else None
@@ -121,7 +230,13 @@ def _remp_sw_rebind(self, fault: str) -> dict:
     """REBINDING: workers take the migrated KV and in-flight requests; engine core follows."""
     sw = self._remp_sw
     tokens = {rid: list(r.output_token_ids) for rid, r in self.scheduler.requests.items()}
-    res = _rpc(self, "remp_sw_rebind", tokens, fault)
+    old_world, new_world = sw["from"][0] * sw["from"][1], sw["to"][0] * sw["to"][1]
+    # waking ranks have no request state: they take rank 0's (always active)
+    imported = self.collective_rpc("remp_sw_export_requests")[0] if new_world > old_world else None
+    plan = sw.get("pool") or {}
+    res = _rpc(self, "remp_sw_rebind", tokens, fault, plan.get("remap") or None, imported)
+    if plan:
+        _resize_pool(self, plan)
     _apply_topology(self, *sw["to"])
     sw["committed"] = True
     running_after = {r.request_id for r in self.scheduler.running}
@@ -132,7 +247,9 @@ def _remp_sw_rebind(self, fault: str) -> dict:
     sw["first_held_arrival"] = min((r.arrival_time for r in held), default=None)
     _watch_first_token(self)
     return {"workers": res, "preempted": sw["preempted"], "held": sw["held"],
-            "first_held_arrival": sw["first_held_arrival"], "in_flight": len(sw["running"])}
+            "first_held_arrival": sw["first_held_arrival"], "in_flight": len(sw["running"]),
+            "displaced": list(plan.get("displaced", [])),
+            "num_blocks": self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
 
 
 def _watch_first_token(self) -> None:
@@ -179,6 +296,11 @@ def _remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> lis
     self.reset_prefix_cache()
     if self.scheduler.has_requests() or _live_block_ids(self):
         raise RuntimeError("remp set-up needs an idle engine with an empty prefix cache")
+    pc = self.vllm_config.parallel_config
+    pool = self.scheduler.kv_cache_manager.block_pool
+    # every rank's KV byte budget, in (layer, KV head, block) units of the start topology
+    self._remp_budget_units = pool.num_gpu_blocks * _units_per_block(
+        self, pc.tensor_parallel_size, pc.pipeline_parallel_size)
     return _rpc(self, "remp_setup", candidates, store_path)
 
 

@@ -35,12 +35,17 @@ class _WorkerSwitchState:
     num_layers: int = 0
     num_kv_heads: int = 0
     store_path: str = ""
+    world: int = 0  # worker processes (the largest candidate world); ranks >= active world idle
+    kv_rest: tuple = ()  # per-layer KV shape after (blocks, heads), and its dtype
+    kv_dtype: object = None
+    kv_cache_config: object = None  # the engine's, as a template for new runners
     # per switch
     switch_id: str = ""
     old_topo: Topology | None = None
     new_topo: Topology | None = None
     old_runner: object = None
     old_ctx: dict = field(default_factory=dict)
+    old_num_blocks: int = 0
     old_layers: dict[int, torch.Tensor] = field(default_factory=dict)  # global layer -> old KV
     new_layers: dict[int, torch.Tensor] = field(default_factory=dict)
     moved: list[int] = field(default_factory=list)  # global layers fully migrated
@@ -49,6 +54,10 @@ class _WorkerSwitchState:
     names_old: dict[int, str] = field(default_factory=dict)  # global layer -> attn layer name
     rebound: bool = False
     stats: dict = field(default_factory=dict)
+    new_num_blocks: int = 0
+    dst_block_ids: list[int] = field(default_factory=list)
+    remap: dict[int, int] = field(default_factory=dict)  # old block id -> new (pool compaction)
+    remapped: list = field(default_factory=list)  # (request state, old block ids) for rollback
 
 
 def _layer_index(name: str) -> int:
@@ -142,11 +151,33 @@ def _resident_bytes(t: torch.Tensor) -> int:
     return sum(b & 1 for b in vec) * page
 
 
-def _layer_allocator(proto: torch.Tensor, heads: int):
-    """Allocator of zeroed layers shaped like ``proto`` but with ``heads`` local KV heads."""
+def _layer_allocator(num_blocks: int, heads: int, rest: tuple, dtype: torch.dtype):
+    """Allocator of zeroed per-layer KV tensors: (blocks, local KV heads, *rest)."""
     def alloc(_layer: int) -> torch.Tensor:
-        return _alloc_zeroed((proto.shape[0], heads, *proto.shape[2:]), proto.dtype)
+        return _alloc_zeroed((num_blocks, heads, *rest), dtype)
     return alloc
+
+
+class StandbyRunner:
+    """What a STANDBY worker holds instead of a model runner: no model, no weights, no KV. The
+    process, its device context and its communicator groups stay (waking needs no start-up)."""
+
+    standby = True
+
+    def __init__(self) -> None:
+        self.kv_caches: list = []
+        self.requests: dict = {}
+        self.model = None
+        self.intermediate_tensors = None
+
+
+def _standby_step(*_args, **_kwargs):
+    """A STANDBY worker's engine step: nothing to compute, nothing to send or receive."""
+    return None
+
+
+def _is_standby(runner) -> bool:
+    return getattr(runner, "standby", False)
 
 
 def _maybe_fault(fault: str, phase: str) -> None:
@@ -175,6 +206,7 @@ class RempWorkerExtension:
             "pid": os.getpid(),
             "rss_bytes": rss,
             "num_kv_layers": len(self.model_runner.kv_caches),
+            "standby": _is_standby(self.model_runner),
         }
 
     def remp_missing_internals(self) -> list[str]:
@@ -192,7 +224,7 @@ class RempWorkerExtension:
         from vllm.distributed.parallel_state import get_pp_group
 
         mr = self.model_runner
-        if get_pp_group().is_first_rank or mr.intermediate_tensors is not None:
+        if _is_standby(mr) or get_pp_group().is_first_rank or mr.intermediate_tensors is not None:
             return False
         mr.intermediate_tensors = mr.model.make_empty_intermediate_tensors(
             batch_size=mr.max_num_tokens, dtype=mr.model_config.dtype, device=mr.device
@@ -230,7 +262,7 @@ class RempWorkerExtension:
         st.groups[current] = {n: getattr(ps, n) for n in GROUP_GLOBALS}
         with set_current_vllm_config(self.vllm_config):
             for tp, pp in candidates:
-                if (tp, pp) in st.groups or tp * pp != world:
+                if (tp, pp) in st.groups or world % (tp * pp):
                     continue
                 for n in GROUP_GLOBALS:
                     setattr(ps, n, None)
@@ -246,11 +278,15 @@ class RempWorkerExtension:
         hf = self.vllm_config.model_config.hf_text_config
         st.num_layers = hf.num_hidden_layers
         st.num_kv_heads = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+        st.world = world
         # one tensor per layer instead of views into one buffer; the engine is idle with an
         # empty prefix cache here (checked by the engine core), so no KV content is carried
         runner = self.model_runner
         ctx = self.vllm_config.compilation_config.static_forward_context
         layers, names = _kv_by_global_layer(runner, ctx)
+        first = layers[min(layers)]
+        st.kv_rest, st.kv_dtype = tuple(first.shape[2:]), first.dtype
+        st.kv_cache_config = runner.kv_cache_config
         per_layer = {names[i]: _alloc_zeroed(tuple(layers[i].shape), layers[i].dtype)
                      for i in sorted(layers)}
         _unbind(runner, ctx)
@@ -266,7 +302,8 @@ class RempWorkerExtension:
         # move them out of the collector's sight: later collections scan only what came after.
         gc.collect()
         gc.freeze()
-        return {"rank": self.rank, "topologies": sorted(st.groups), "seconds": time.perf_counter() - t0}
+        return {"rank": self.rank, "topologies": sorted(st.groups), "world": world,
+                "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ the switch steps
 
@@ -284,7 +321,9 @@ class RempWorkerExtension:
         st.old_runner = self.model_runner
         st.old_ctx = dict(ctx)
         st.old_layers, st.names_old = _kv_by_global_layer(st.old_runner, ctx)
+        st.old_num_blocks = next(iter(st.old_layers.values())).shape[0] if st.old_layers else 0
         st.new_layers, st.moved, st.new_runner, st.rebound, st.stats = {}, [], None, False, {}
+        st.remap, st.remapped = {}, []
         _unbind(st.old_runner, ctx)
         _maybe_fault(fault, "PREPARING_WORKERS")
         return {"rank": self.rank, "old_layers": sorted(st.old_layers)}
@@ -298,17 +337,27 @@ class RempWorkerExtension:
         return {"rank": self.rank, "seconds": time.perf_counter() - t0}
 
     @_reported
-    def remp_sw_data_path(self, block_ids: list[int], overlap: bool, fault: str) -> dict:
+    def remp_sw_data_path(self, block_ids: list[int], overlap: bool, fault: str,
+                          dst_block_ids: list[int] | None = None,
+                          new_num_blocks: int | None = None) -> dict:
         """MIGRATE_KV ‖ RELOAD_SHARDS: move this rank's KV slices worker-to-worker, layer by layer,
         while the new weight shard loads from the shared-memory store (threads; sequential when
-        ``overlap`` is False)."""
+        ``overlap`` is False). When the block pool is resized (the per-rank bytes per block
+        change with the world size), live block ``block_ids[i]`` lands at ``dst_block_ids[i]``
+        of new layers of ``new_num_blocks`` blocks. A rank outside the new topology (STANDBY
+        after the switch) only sends; a rank outside the old one (waking) only receives."""
         st = self._remp
         a = RankView(st.old_topo, st.num_layers, st.num_kv_heads)
         b = RankView(st.new_topo, st.num_layers, st.num_kv_heads)
         plan = migration_plan(st.old_topo, st.new_topo, st.num_layers, st.num_kv_heads)
         ids = torch.tensor(block_ids, dtype=torch.long)
+        renumbered = dst_block_ids is not None and list(dst_block_ids) != list(block_ids)
+        dst_kw = {"dst_block_ids": torch.tensor(dst_block_ids, dtype=torch.long)} if renumbered else {}
         st.block_ids = list(block_ids)
-        alloc = _layer_allocator(next(iter(st.old_layers.values())), b.heads_per_rank)
+        st.dst_block_ids = list(block_ids if dst_block_ids is None else dst_block_ids)
+        st.new_num_blocks = new_num_blocks or st.old_num_blocks
+        alloc = _layer_allocator(st.new_num_blocks, b.heads_per_rank, st.kv_rest, st.kv_dtype)
+        active_after = self.rank < st.new_topo.world_size
 
         result: dict = {"rank": self.rank}
         errors: list[BaseException] = []
@@ -319,7 +368,7 @@ class RempWorkerExtension:
                 fail_after = st.num_layers // 2 if fault == "MIGRATE_KV" else None
                 _, stats = migrate_kv(self.rank, st.old_layers, a, b, plan, ids, alloc,
                                       TorchDistTransport(st.kv_group), fail_after_layers=fail_after,
-                                      new_layers=st.new_layers, done=st.moved)
+                                      new_layers=st.new_layers, done=st.moved, **dst_kw)
                 result["kv"] = stats.as_dict()
             except BaseException as exc:  # noqa: BLE001 - reported to the engine core
                 errors.append(RuntimeError(f"[MIGRATE_KV] {type(exc).__name__}: {exc}"))
@@ -330,7 +379,11 @@ class RempWorkerExtension:
         def reload():
             t = time.perf_counter()
             try:
-                st.new_runner, nbytes = self._remp_build_runner()
+                if active_after:
+                    st.new_runner, nbytes = self._remp_build_runner()
+                else:  # parks: no model, no weights
+                    st.new_runner, nbytes = StandbyRunner(), 0
+                    self.vllm_config.compilation_config.static_forward_context.clear()
                 result["weight_bytes"] = nbytes
                 _maybe_fault(fault, "RELOAD_SHARDS")
             except BaseException as exc:  # noqa: BLE001
@@ -358,8 +411,12 @@ class RempWorkerExtension:
         return result
 
     @_reported
-    def remp_sw_rebind(self, out_tokens: dict[str, list[int]], fault: str) -> dict:
-        """REBINDING: give the new runner the migrated KV and the in-flight requests."""
+    def remp_sw_rebind(self, out_tokens: dict[str, list[int]], fault: str,
+                       remap: dict[int, int] | None = None,
+                       imported: dict | None = None) -> dict:
+        """REBINDING: give the new runner the migrated KV and the in-flight requests (their block
+        ids renumbered by ``remap`` when the pool was compacted); a rank leaving the topology
+        parks in STANDBY (its engine step becomes a no-op), a waking rank leaves it."""
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
@@ -367,29 +424,42 @@ class RempWorkerExtension:
         t0 = time.perf_counter()
         new = st.new_runner
         ctx = self.vllm_config.compilation_config.static_forward_context
-        with set_current_vllm_config(self.vllm_config):
-            specs = new.get_kv_cache_spec()
-            names = list(specs)
-            spec = type(specs[names[0]]).merge([specs[n] for n in names])
-            cfg = dataclasses.replace(st.old_runner.kv_cache_config,
-                                      kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-                                      kv_cache_tensors=[])
-            new.initialize_kv_cache(cfg)
-            by_name = {n: st.new_layers[_layer_index(n)] for n in names}
-            _bind(new, ctx, by_name)
-        # in-flight requests: carry their cached state; token lists from the engine's copy
-        # (non-last PP ranks lag one token behind the scheduler)
-        reqs = st.old_runner.requests
-        for rid, tokens in out_tokens.items():
-            if rid in reqs:
-                reqs[rid].output_token_ids[:] = tokens
-        new.requests = reqs
-        new.num_prompt_logprobs = getattr(st.old_runner, "num_prompt_logprobs", {})
+        # a waking rank has no request state of its own: it takes rank 0's (``imported``)
+        reqs = st.old_runner.requests if not _is_standby(st.old_runner) else dict(imported or {})
+        if _is_standby(new):
+            new.requests = {}
+            self.execute_model = self.sample_tokens = _standby_step
+        else:
+            with set_current_vllm_config(self.vllm_config):
+                specs = new.get_kv_cache_spec()
+                names = list(specs)
+                spec = type(specs[names[0]]).merge([specs[n] for n in names])
+                cfg = dataclasses.replace(st.kv_cache_config, num_blocks=st.new_num_blocks,
+                                          kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+                                          kv_cache_tensors=[])
+                new.initialize_kv_cache(cfg)
+                by_name = {n: st.new_layers[_layer_index(n)] for n in names}
+                _bind(new, ctx, by_name)
+            # in-flight requests: carry their cached state; token lists from the engine's copy
+            # (non-last PP ranks lag one token behind the scheduler)
+            for rid, tokens in out_tokens.items():
+                if rid in reqs:
+                    reqs[rid].output_token_ids[:] = tokens
+            if remap:
+                for state in reqs.values():
+                    old = [list(g) for g in state.block_ids]
+                    st.remapped.append((state, old))
+                    state.block_ids = tuple([remap.get(b, b) for b in g] for g in old)
+            new.requests = reqs
+            new.num_prompt_logprobs = getattr(st.old_runner, "num_prompt_logprobs", {})
+            for name in ("execute_model", "sample_tokens"):
+                self.__dict__.pop(name, None)  # back to the worker's own step methods
         self.model_runner = new
         st.rebound = True
         self.remp_fix_pp()
         _maybe_fault(fault, "REBINDING")
-        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "requests": len(reqs)}
+        return {"rank": self.rank, "seconds": time.perf_counter() - t0, "requests": len(reqs),
+                "standby": _is_standby(new)}
 
     @_reported
     def remp_sw_commit(self) -> dict:
@@ -399,6 +469,11 @@ class RempWorkerExtension:
         st.new_layers, st.moved = {}, []
         _release_memory()
         return {"rank": self.rank}
+
+    def remp_sw_export_requests(self) -> dict:
+        """This rank's cached state of every in-flight request (rank 0's goes to waking ranks)."""
+        runner = self.model_runner
+        return {} if _is_standby(runner) else dict(runner.requests)
 
     def remp_sw_moved(self) -> list[int]:
         return list(self._remp.moved)
@@ -414,23 +489,31 @@ class RempWorkerExtension:
             a = RankView(st.new_topo, st.num_layers, st.num_kv_heads)
             b = RankView(st.old_topo, st.num_layers, st.num_kv_heads)
             back = migration_plan(st.new_topo, st.old_topo, st.num_layers, st.num_kv_heads)
-            proto = next(iter(st.old_layers.values()), None)
-            if proto is None:
-                proto = next(iter(st.new_layers.values()))
-            alloc = _layer_allocator(proto, b.heads_per_rank)
-
-            ids = torch.tensor(st.block_ids, dtype=torch.long)
+            alloc = _layer_allocator(st.old_num_blocks, b.heads_per_rank, st.kv_rest, st.kv_dtype)
+            # from where the blocks went (compacted ids) back to where they were
+            ids = torch.tensor(st.dst_block_ids, dtype=torch.long)
+            back_kw = ({"dst_block_ids": torch.tensor(st.block_ids, dtype=torch.long)}
+                       if st.dst_block_ids != st.block_ids else {})
             moving = {ly: t for ly, t in st.new_layers.items() if ly in moved_everywhere}
             restored, _ = migrate_kv(self.rank, moving, a, b, back, ids, alloc,
-                                     TorchDistTransport(st.kv_group), layers=moved_everywhere)
+                                     TorchDistTransport(st.kv_group), layers=moved_everywhere,
+                                     **back_kw)
             st.old_layers.update(restored)
             st.new_layers = {}
         st.new_runner, st.rebound = None, False
         ctx.clear()
         ctx.update(st.old_ctx)
         self._remp_install_groups(st.old_topo.tp, st.old_topo.pp)
+        for state, old_ids in st.remapped:
+            state.block_ids = tuple(old_ids)
+        st.remapped = []
         self.model_runner = st.old_runner
-        _bind(st.old_runner, ctx, {st.names_old[i]: t for i, t in st.old_layers.items()})
+        if _is_standby(st.old_runner):
+            self.execute_model = self.sample_tokens = _standby_step
+        else:
+            for name in ("execute_model", "sample_tokens"):
+                self.__dict__.pop(name, None)
+            _bind(st.old_runner, ctx, {st.names_old[i]: t for i, t in st.old_layers.items()})
         st.old_runner, st.old_ctx, st.old_layers, st.moved = None, {}, {}, []
         _release_memory()
         return {"rank": self.rank, "seconds": time.perf_counter() - t0,
