@@ -83,7 +83,8 @@ def describe_to_proto(d: AgentSnapshot) -> node_agent_pb2.DescribeResponse:
         workers=[
             types_pb2.WorkerInfo(
                 rank=w["rank"], tp_rank=w["tp_rank"], pp_rank=w["pp_rank"],
-                state=types_pb2.WORKER_STATE_ACTIVE, pid=w["pid"], rss_bytes=w["rss_bytes"],
+                state=(types_pb2.WORKER_STATE_STANDBY if w.get("standby")
+                       else types_pb2.WORKER_STATE_ACTIVE), pid=w["pid"], rss_bytes=w["rss_bytes"],
                 kv_resident_bytes=w.get("kv_resident_bytes", 0),
             )
             for w in d.workers
@@ -125,6 +126,11 @@ def record_to_proto(r: SwitchRecord) -> types_pb2.SwitchRecord:
         layer_kv_bytes=r.layer_kv_bytes,
         requests_held=r.requests_held,
         requests_preempted=r.requests_preempted,
+        pool_blocks_before=r.pool_blocks_before,
+        pool_blocks_after=r.pool_blocks_after,
+        preempted_request_ids=r.preempted_request_ids,
+        ranks_woken=r.ranks_woken,
+        ranks_parked=r.ranks_parked,
         requests_in_flight=r.requests_in_flight,
         downtime_seconds=r.downtime_s,
         total_seconds=r.total_s,

@@ -37,6 +37,11 @@ class SwitchRecord:
     layer_kv_bytes: int = 0
     requests_held: int = 0
     requests_preempted: int = 0
+    pool_blocks_before: int = 0
+    pool_blocks_after: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    ranks_woken: list[int] = field(default_factory=list)
+    ranks_parked: list[int] = field(default_factory=list)
     requests_in_flight: int = 0
     downtime_s: float = 0.0
     total_s: float = 0.0
@@ -122,7 +127,10 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         log.info("switch.quiesced", switch_id=record.switch_id, running=begin["running"],
                  waiting=begin["waiting"])
 
-        await enter(Phase.MPU_APPLIED)
+        old_w, new_w = record.from_topology.world_size, tgt.world_size
+        record.ranks_woken = list(range(old_w, new_w))
+        record.ranks_parked = list(range(new_w, old_w))
+        await enter(Phase.MPU_APPLIED, _ranks_detail(record))
         await _call(engine.utility("remp_sw_activate", tgt.tp, tgt.pp, fault), "MPU_APPLIED")
 
         await enter(Phase.MIGRATE_KV, "concurrent with RELOAD_SHARDS" if overlap else "")
@@ -147,11 +155,20 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         record.peak_extra_mem_bytes = max(w["kv"]["peak_extra_bytes"] for w in workers)
         record.layer_kv_bytes = layer_bytes(model_shape.num_kv_heads, dp["num_blocks"],
                                             kv_block_bytes_per_head)
+        record.pool_blocks_before = dp["num_blocks"]
+        record.pool_blocks_after = dp.get("new_num_blocks", dp["num_blocks"])
 
         await enter(Phase.REBINDING)
         rb = await _call(engine.utility("remp_sw_rebind", fault), "REBINDING")
         engine.set_topology(tgt.tp, tgt.pp)
         record.requests_preempted = rb["preempted"]
+        record.preempted_request_ids = list(rb.get("displaced", []))
+        record.pool_blocks_after = rb.get("num_blocks", dp["num_blocks"])
+        if record.pool_blocks_after != record.pool_blocks_before:
+            log.info("switch.pool_resized", switch_id=record.switch_id,
+                     blocks_before=record.pool_blocks_before, blocks_after=record.pool_blocks_after,
+                     displaced=record.preempted_request_ids, renumbered=rb.get("renumbered", 0),
+                     ranks_woken=record.ranks_woken, ranks_parked=record.ranks_parked)
         record.requests_held = rb["held"]
         await _call(engine.resume(), "resume")
         await enter(Phase.SERVING_NEW)
@@ -187,6 +204,15 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
     record.finished_wall = time.time()
     await emit(SwitchEvent(record.switch_id, record.phase, record.total_s, record.outcome, record))
     return record
+
+
+def _ranks_detail(record: SwitchRecord) -> str:
+    parts = []
+    if record.ranks_woken:
+        parts.append(f"waking ranks {record.ranks_woken} (STANDBY → ACTIVE)")
+    if record.ranks_parked:
+        parts.append(f"parking ranks {record.ranks_parked} (ACTIVE → STANDBY)")
+    return "; ".join(parts)
 
 
 async def _roll_back(engine, record: SwitchRecord, m: SwitchMachine, enter, touched: bool) -> None:

@@ -75,10 +75,26 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "PP batch queue rebuilt"),
     ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor._get_output_rank", "output rank"),
     ("vllm.config", "VllmConfig.max_concurrent_batches", "PP batch queue size"),
+    # world-size changes: STANDBY workers and the block pool resize
+    ("vllm.v1.executor.multiproc_executor", "WorkerProc._execute_worker_rpc",
+     "worker RPCs resolve methods on the instance (STANDBY step override)"),
+    ("vllm.v1.worker.gpu_worker", "Worker.execute_model", "STANDBY: replaced by a no-op step"),
+    ("vllm.v1.worker.gpu_worker", "Worker.sample_tokens", "STANDBY: replaced by a no-op step"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request", "pool shrink displaces"),
+    ("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block", "pool resize"),
+    ("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.get_all_free_blocks", "pool resize"),
+    ("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.append_n", "pool growth"),
+    ("vllm.v1.core.kv_cache_utils", "KVCacheBlock", "pool growth"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "a request's blocks"),
 ]
 # Attributes read on live objects (not importable); checked by the e2e internals test.
 ENGINE_CORE_ATTRS = ("scheduler", "model_executor", "vllm_config", "batch_queue",
                      "batch_queue_size", "step_fn")
+SCHEDULER_ATTRS = ("running", "waiting", "requests", "prev_step_scheduled_req_ids",
+                   "kv_cache_manager", "kv_cache_config")
+KV_MANAGER_ATTRS = ("block_pool", "watermark_blocks")
+BLOCK_POOL_ATTRS = ("blocks", "free_block_queue", "num_gpu_blocks")
+EXECUTOR_ATTRS = ("world_size", "output_rank")
 WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config")
 MODEL_RUNNER_ATTRS = ("model", "kv_caches", "intermediate_tensors", "max_num_tokens", "device",
                       "requests", "attn_groups", "kv_cache_config", "num_prompt_logprobs")

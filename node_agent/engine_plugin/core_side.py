@@ -54,9 +54,18 @@ def _remp_engine_info(self) -> dict:
 
 
 def _remp_missing_internals(self) -> list[str]:
-    from node_agent.engine_plugin import ENGINE_CORE_ATTRS
+    from node_agent.engine_plugin import (BLOCK_POOL_ATTRS, ENGINE_CORE_ATTRS, EXECUTOR_ATTRS,
+                                          KV_MANAGER_ATTRS, SCHEDULER_ATTRS)
 
-    return [f"EngineCore.{a}" for a in ENGINE_CORE_ATTRS if not hasattr(self, a)]
+    missing = [f"EngineCore.{a}" for a in ENGINE_CORE_ATTRS if not hasattr(self, a)]
+    sched = getattr(self, "scheduler", None)
+    kvm = getattr(sched, "kv_cache_manager", None)
+    for label, obj, attrs in (("Scheduler", sched, SCHEDULER_ATTRS),
+                              ("KVCacheManager", kvm, KV_MANAGER_ATTRS),
+                              ("BlockPool", getattr(kvm, "block_pool", None), BLOCK_POOL_ATTRS),
+                              ("Executor", getattr(self, "model_executor", None), EXECUTOR_ATTRS)):
+        missing += [f"{label}.{a}" for a in attrs if not hasattr(obj, a)]
+    return missing
 
 
 def _live_block_ids(self) -> list[int]:
@@ -248,7 +257,7 @@ def _remp_sw_rebind(self, fault: str) -> dict:
     _watch_first_token(self)
     return {"workers": res, "preempted": sw["preempted"], "held": sw["held"],
             "first_held_arrival": sw["first_held_arrival"], "in_flight": len(sw["running"]),
-            "displaced": list(plan.get("displaced", [])),
+            "displaced": list(plan.get("displaced", [])), "renumbered": len(plan.get("remap", {})),
             "num_blocks": self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
 
 
