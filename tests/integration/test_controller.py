@@ -16,11 +16,11 @@ from remp.redisproc import RedisServer
 TOKEN = "s3cret"
 
 
-def reg(node="n1", agent=None, tp=2, pp=1):
+def reg(node="n1", agent=None, tp=2, pp=1, candidates=((1, 1), (2, 1), (1, 2))):
     return controller_pb2.RegisterNodeRequest(
         node=node, agent_address=agent or f"127.0.0.1:{free_port()}", http_address="http://x",
         topology=types_pb2.Topology(tp=tp, pp=pp),
-        candidates=[types_pb2.Topology(tp=t, pp=p) for t, p in ((1, 1), (2, 1), (1, 2))],
+        candidates=[types_pb2.Topology(tp=t, pp=p) for t, p in candidates],
         host=types_pb2.HostFacts(hostname="h", device_type="cpu", device_count=2, cpu_cores=2),
         model=types_pb2.ModelFacts(num_layers=4, num_attention_heads=8, num_kv_heads=4,
                                    head_size=32, hidden_size=256, dtype="float32",
@@ -83,9 +83,12 @@ def test_errors_have_the_right_status(stub):
     code, msg = code_of(stub.Reconfigure, controller_pb2.ReconfigureRequest(
         node="a3", target=types_pb2.Topology(tp=3, pp=1)), metadata=MD, timeout=5)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "TP1PP2" in msg and "valid targets" in msg
+    # an agent without world-size changes (--no-world-changes) offers only its own world
+    stub.RegisterNode(reg("a3w", candidates=((2, 1), (1, 2))), metadata=MD, timeout=5)
     code, msg = code_of(stub.Reconfigure, controller_pb2.ReconfigureRequest(
-        node="a3", target=types_pb2.Topology(tp=1, pp=1)), metadata=MD, timeout=5)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "world size" in msg
+        node="a3w", target=types_pb2.Topology(tp=1, pp=1)), metadata=MD, timeout=5)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a candidate" in msg, msg
+    assert "valid targets: TP2PP1, TP1PP2" in msg
     code, _ = code_of(stub.GetSwitch, controller_pb2.GetSwitchRequest(switch_id="sw-x"), timeout=5)
     assert code == grpc.StatusCode.NOT_FOUND
     code, _ = code_of(stub.ListSwitches, controller_pb2.ListSwitchesRequest(page_token="zz"),

@@ -30,8 +30,10 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def ctl(redis_server, artifacts_dir):
+    # d1 never heartbeats: a lease longer than the module keeps it from being marked lost on a
+    # slow machine (seen: the no-op Reconfigure answered UNAVAILABLE "node is lost")
     c = ControllerProcess(redis_server.url, log_dir=artifacts_dir, token=TOKEN,
-                          name="ctl-dashboard", env={"REMP_CONTROLLER_METRICS_PORT":
+                          name="ctl-dashboard", lease_seconds=600, env={"REMP_CONTROLLER_METRICS_PORT":
                                                      str(free_port())})
     c.metrics_url = f"http://127.0.0.1:{c.env['REMP_CONTROLLER_METRICS_PORT']}/metrics"
     with c:

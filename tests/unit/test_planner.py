@@ -24,9 +24,7 @@ def facts(shape=TINY, devices=2, live=10, kvbw=1e9, wbw=2e9, weight=10_000_000):
 def test_moves_equal_the_per_layer_plan(shape, devices):
     cands = candidate_topologies(shape, devices)
     for a in cands:
-        for b in cands:
-            if a.world_size != b.world_size:
-                continue
+        for b in cands:  # world-size changes included
             ref = defaultdict(list)
             for sl in migration_plan(a, b, shape.num_layers, shape.num_kv_heads):
                 if not sl.local:
@@ -61,7 +59,20 @@ def test_prediction_uses_bandwidths_history_and_overlap():
 def test_noop_and_invalid_targets():
     f = facts()
     assert plan_switch(f, Topology(2, 1), Topology(2, 1)).noop
-    with pytest.raises(InvalidArgument, match="valid targets: TP2PP1, TP1PP2"):
+    with pytest.raises(InvalidArgument, match="valid targets: TP1PP1, TP2PP1, TP1PP2"):
         plan_switch(f, Topology(2, 1), Topology(3, 1))
-    with pytest.raises(InvalidArgument, match="world size"):
-        check_target(f, Topology(2, 1), Topology(1, 1))
+
+
+def test_world_size_changes_are_planned():
+    """TP2PP1 → TP1PP1 parks rank 1: every KV slice ends on rank 0, one rank loads weights."""
+    f = facts(live=10)
+    check_target(f, Topology(2, 1), Topology(1, 1))
+    shrink = plan_switch(f, Topology(2, 1), Topology(1, 1))
+    assert {t.dst_rank for t in shrink.transfers} == {0} and {t.src_rank for t in shrink.transfers} == {1}
+    assert [s.rank for s in shrink.shard_loads] == [0]
+    want = plan_bytes(migration_plan(Topology(2, 1), Topology(1, 1), 4, 4), 10,
+                      f.kv_bytes_per_block_head)["remote"]
+    assert shrink.kv_bytes_total == want > 0
+    grow = plan_switch(f, Topology(1, 1), Topology(1, 2))
+    assert {(t.src_rank, t.dst_rank) for t in grow.transfers} == {(0, 1)}
+    assert [s.rank for s in grow.shard_loads] == [0, 1]
