@@ -87,3 +87,23 @@ def test_tls_settings_are_checked(model, tmp_path):
         resolve(AgentSettings(model=model, tls_cert=tmp_path / "a.crt"))
     with pytest.raises(ConfigError, match="does not exist"):
         resolve(AgentSettings(model=model, tls_cert=tmp_path / "a.crt", tls_key=tmp_path / "a.key"))
+
+
+def test_engine_starts_the_largest_candidate_world(model):
+    # TP1PP1 serves on rank 0 of a 4-worker engine; TP1PP2 / TP2PP1 on ranks 0-1
+    cfg = resolve(settings(model, tp=1, pp=1))
+    assert cfg.topology == Topology(1, 1)
+    assert cfg.engine_topology.world_size == 4 and cfg.engine_topology in cfg.candidates
+    assert {t.world_size for t in cfg.candidates} == {1, 2, 4}
+    assert len(cfg.cpu_binds) == 4  # one CPU set per worker process
+    # a world that does not divide the largest one cannot share its groups: left out
+    cfg3 = resolve(settings(model, tp=1, pp=1, devices=3))
+    assert cfg3.engine_topology.world_size == 2 and all(t.world_size in (1, 2) for t in cfg3.candidates)
+
+
+def test_no_world_changes_keeps_the_configured_world(model):
+    cfg = resolve(settings(model, tp=1, pp=1, world_changes=False))
+    assert cfg.engine_topology == Topology(1, 1) and cfg.candidates == [Topology(1, 1)]
+    assert len(cfg.cpu_binds) == 1
+    cfg2 = resolve(settings(model, tp=2, world_changes=False))
+    assert cfg2.candidates == [Topology(2, 1), Topology(1, 2)]
