@@ -8,13 +8,19 @@ peak extra memory is therefore about one layer (the new layer allocated before t
 released, plus the staging buffer of that layer's rounds; by default the two together stay within one
 full layer's KV + 10 %, see :func:`migrate_kv`).
 
-Slices are gathered / scattered per run of consecutive block ids or by one index op on the
-tensor's memory-order view reinterpreted as 16-byte elements (see :func:`migrate_kv`);
+Two ways to move a slice (see :func:`migrate_kv`): *staged* (any transport: gathered into a
+staging buffer per run of consecutive block ids or by one index op on the tensor's memory-order
+view reinterpreted as 16-byte elements, sent, scattered on the receiver) and *direct* (the
+transport gives direct access to the peers' layer tensors — ranks on one device here, CUDA-IPC
+peer mappings over NVLink on a real host: the receiver pulls every slice of a layer straight from
+the source tensors into its new tensor in one pass, one kernel launch per layer, no staging).
 :func:`migrate_kv_reference` keeps the first executor (advanced indexing) as the reference.
 
 KV tensor layout per layer (vLLM CPU, and the GPU flash layout after a permute): dimension 0 is the
 block id, dimension 1 the local KV head; whatever follows is moved as is. Only the rows of
-``block_ids`` (the blocks holding live or cached tokens) are moved.
+``block_ids`` (the blocks holding live or cached tokens) are moved; block ``block_ids[i]`` of the
+old pool lands in block ``dst_block_ids[i]`` of the new one (default: the same id), so the new
+pool may be compacted and smaller than the old.
 """
 
 from __future__ import annotations
@@ -41,6 +47,32 @@ class Transport(Protocol):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> object: ...
 
     def wait(self, handles: list) -> None: ...
+
+
+class PeerAccess(Protocol):
+    """Direct access to other ranks' layer tensors (what a transport whose ranks can address each
+    other's buffers offers as ``transport.peer_access``; ``None`` or absent: staged path only).
+
+    Ranks on one device (threads of one process) share the tensors themselves; on an NVLink host
+    the same four calls map to CUDA-IPC (``share`` exports the buffer's IPC handle and an IPC event,
+    ``open`` maps the peer's buffer once and waits for its event, ``close`` records an event the
+    owner waits for before it frees or reuses the buffer), like vLLM's custom all-reduce buffers.
+    """
+
+    def share(self, layer: int, tensor: torch.Tensor, readers: int) -> None:
+        """This rank's old ``layer`` may be read by ``readers`` peers (after the work already
+        enqueued on the caller's current stream)."""
+
+    def open(self, layer: int, src: int) -> torch.Tensor:
+        """Rank ``src``'s shared ``layer`` (blocks until shared); reads enqueued on the caller's
+        current stream from now on see its data."""
+
+    def close(self, layer: int, src: int) -> None:
+        """The caller's reads of ``src``'s ``layer`` are enqueued on its current stream: the last use."""
+
+    def reclaim(self, layer: int) -> None:
+        """Blocks until every reader closed this rank's shared ``layer``; the caller's current stream
+        then runs after their reads, so the tensor may be freed."""
 
 
 class TorchDistTransport:
@@ -72,17 +104,21 @@ class LocalTransport:
     blocks the calling thread only until its peer has posted the matching call.
     """
 
-    def __init__(self, timeout_s: float = 120.0, copy: str = "memcpy"):
+    def __init__(self, timeout_s: float = 120.0, copy: str = "memcpy", direct: bool = False):
         """``copy``: ``memcpy`` (``Tensor.copy_``: a copy-engine transfer on CUDA) or ``kernel``
         (a bit-exact SM kernel, as NCCL's point-to-point over NVLink is: it does not queue behind
-        host→device DMAs on the copy engines)."""
+        host→device DMAs on the copy engines). ``direct``: the endpoints also offer
+        :class:`PeerAccess` (``endpoint.peer_access``), so :func:`migrate_kv` takes its direct
+        path (receivers pull slices straight from the peers' tensors)."""
         if copy not in ("memcpy", "kernel"):
             raise ValueError(f"LocalTransport copy must be memcpy or kernel, not {copy!r}")
-        self.timeout_s, self.copy = timeout_s, copy
+        self.timeout_s, self.copy, self.direct = timeout_s, copy, direct
         self._lock = threading.Lock()
         self._sends: dict[tuple[int, int, int], deque] = {}
         self._recvs: dict[tuple[int, int, int], deque] = {}
         self.bytes_copied = 0
+        self._shared: dict[tuple[int, int], "_Shared"] = {}  # (src rank, layer) → shared layer
+        self._changed = threading.Condition(self._lock)
 
     def endpoint(self, rank: int) -> "_LocalEndpoint":
         return _LocalEndpoint(self, rank)
@@ -134,11 +170,69 @@ class _LocalOp:
             self.ready.record(self.stream)
 
 
+class _Shared:
+    def __init__(self, tensor: torch.Tensor, readers: int):
+        self.tensor, self.readers = tensor, readers
+        self.ready = _record_event(tensor)
+        self.closed: list = []  # one entry (an event on CUDA, else None) per reader done
+
+
+def _record_event(t: torch.Tensor):
+    if not t.is_cuda:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
 class _LocalEndpoint:
-    """One rank's view of a :class:`LocalTransport` (implements :class:`Transport`)."""
+    """One rank's view of a :class:`LocalTransport` (implements :class:`Transport`, and
+    :class:`PeerAccess` as ``peer_access`` when the hub was made with ``direct=True``)."""
 
     def __init__(self, hub: LocalTransport, rank: int):
         self.hub, self.rank = hub, rank
+
+    @property
+    def peer_access(self) -> "_LocalEndpoint | None":
+        return self if self.hub.direct else None
+
+    # PeerAccess: the ranks are threads of this process, so a peer's tensor is the tensor itself
+    def share(self, layer, tensor, readers):
+        with self.hub._changed:
+            key = (self.rank, layer)
+            if key in self.hub._shared:
+                raise RuntimeError(f"LocalTransport: rank {self.rank} shared layer {layer} twice")
+            self.hub._shared[key] = _Shared(tensor, readers)
+            self.hub._changed.notify_all()
+
+    def _wait_for(self, what: str, ready: Callable[[], bool]) -> None:
+        if not self.hub._changed.wait_for(ready, self.hub.timeout_s):
+            raise TimeoutError(f"LocalTransport: rank {self.rank} waited {self.hub.timeout_s} s for {what}")
+
+    def open(self, layer, src):
+        key = (src, layer)
+        with self.hub._changed:
+            self._wait_for(f"rank {src} to share layer {layer}", lambda: key in self.hub._shared)
+            sh = self.hub._shared[key]
+        if sh.ready is not None:
+            torch.cuda.current_stream(sh.tensor.device).wait_event(sh.ready)
+        return sh.tensor
+
+    def close(self, layer, src):
+        with self.hub._changed:
+            sh = self.hub._shared[(src, layer)]
+            sh.closed.append(_record_event(sh.tensor))
+            self.hub._changed.notify_all()
+
+    def reclaim(self, layer):
+        key = (self.rank, layer)
+        with self.hub._changed:
+            sh = self.hub._shared[key]
+            self._wait_for(f"{sh.readers} readers of its layer {layer}", lambda: len(sh.closed) >= sh.readers)
+            del self.hub._shared[key]
+        for ev in sh.closed:
+            if ev is not None:
+                torch.cuda.current_stream(sh.tensor.device).wait_event(ev)
 
     def isend(self, tensor, dst, tag):
         op = _LocalOp(tensor, (self.rank, dst, tag), True)
@@ -172,9 +266,13 @@ class MigrationStats:
     peak_extra_bytes: int = 0
     seconds: float = 0.0
     per_layer_seconds: list[float] = field(default_factory=list)
+    path: str = "staged"  # or "direct" (see migrate_kv)
+    kernel: str = ""  # direct path: "triton" or "torch" (what moved the bytes; "mixed" if both)
 
     def as_dict(self) -> dict:
         return {
+            "path": self.path,
+            "kernel": self.kernel,
             "layers": self.layers,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
@@ -215,6 +313,9 @@ def migrate_kv(
     new_layers: dict[int, torch.Tensor] | None = None,
     done: list[int] | None = None,
     staging_limit_bytes: int | str | None = "auto",
+    dst_block_ids: torch.Tensor | None = None,
+    pool_blocks: tuple[int, int] | None = None,
+    path: str = "auto",
 ) -> tuple[dict[int, torch.Tensor], MigrationStats]:
     """Move KV from ``old_layers`` (global layer → tensor, this rank's old slices) into new tensors.
 
@@ -224,21 +325,40 @@ def migrate_kv(
     after that many layers (test-only). On any error ``new_layers`` holds what was built so far
     and ``done`` (appended to as layers complete) says which layers fully moved.
 
-    ``staging_limit_bytes`` (every rank must pass the same value): ``"auto"`` (default) = every
-    rank's new per-rank layer plus its staging stays within one full layer's KV (all KV heads,
-    whole pool) × (1 + :data:`STAGING_FRACTION`) — layers split across more ranks move in one
-    round, ranks that gather a large share of a layer (TP8 → TP1) in several; an int = each rank's
-    staging stays under that many bytes; ``None`` = no limit (each layer in one round, staging up
-    to the rank's whole share of the layer). Rounds are blocks of ids, the same on every rank.
+    ``dst_block_ids`` (every rank must pass the same; default: ``block_ids``): old block
+    ``block_ids[i]`` lands in new block ``dst_block_ids[i]`` — distinct ids, within the new pool,
+    which may hold fewer blocks than the old (a pool compacted at a world-size change).
+    ``pool_blocks`` = (old pool, new pool) block counts, used only to size the staging rounds
+    (every rank must split alike, and a rank that holds only one of the two tensors cannot see the
+    other's size): default = the layer tensor's when both pools are the same, else the smallest
+    pools that hold the ids (pass the real sizes to keep the ``"auto"`` bound exact).
 
-    How a slice moves (the wire format is the slice's bytes in the tensors' memory order, which
-    must be the same dimension order on every rank: one engine's KV layout): block ids are split
-    into runs of consecutive ids; a chunk that is one run whose bytes are contiguous in memory is
-    sent from / received into the layer tensor itself (no staging, no gather); a chunk of at most
-    :data:`RUN_COPY_MAX_RUNS` runs is gathered / scattered by one strided copy per run; otherwise
-    by one ``index_select`` / ``index_copy_`` over the block dimension. Views are reinterpreted as
-    16- or 8-byte elements where the layout allows (bit-exact; far fewer elements to index). The
-    send / receive staging is one buffer per call, reused by every chunk and layer.
+    ``path``: ``"direct"`` = the transport's :class:`PeerAccess` (``transport.peer_access``):
+    each rank pulls every slice of a layer that it receives (local ones included) straight from
+    the source tensors into its new tensor, in one pass (each byte read once, written once), one
+    kernel launch per layer (Triton where importable on CUDA; else one strided copy per run of
+    consecutive ids, or index ops in bounded pieces); no staging, so the extra memory is the new
+    layer alone. ``"staged"`` = through ``isend`` / ``irecv`` (below). ``"auto"`` (default) =
+    direct when the transport offers peer access, else staged (every rank sees the same
+    transport kind, so all take the same path).
+
+    ``staging_limit_bytes`` (staged path; every rank must pass the same value): ``"auto"``
+    (default) = every rank's new per-rank layer plus its staging stays within one full layer's KV
+    (all KV heads, whole pool) × (1 + :data:`STAGING_FRACTION`) — layers split across more ranks
+    move in one round, ranks that gather a large share of a layer (TP8 → TP1) in several; an int =
+    each rank's staging stays under that many bytes; ``None`` = no limit (each layer in one round,
+    staging up to the rank's whole share of the layer). Rounds are blocks of ids, the same on every
+    rank.
+
+    How a slice moves on the staged path (the wire format is the slice's bytes in the tensors'
+    memory order, which must be the same dimension order on every rank: one engine's KV layout):
+    block ids are split into runs of consecutive ids; a chunk that is one run whose bytes are
+    contiguous in memory is sent from / received into the layer tensor itself (no staging, no
+    gather); a chunk of at most :data:`RUN_COPY_MAX_RUNS` runs is gathered / scattered by one
+    strided copy per run; otherwise by one ``index_select`` / ``index_copy_`` over the block
+    dimension. Views are reinterpreted as 16- or 8-byte elements where the layout allows
+    (bit-exact; far fewer elements to index). The send / receive staging is one buffer per call,
+    reused by every chunk and layer.
     Returns (new layers of this rank, stats).
     """
     stats = MigrationStats()
@@ -246,11 +366,15 @@ def migrate_kv(
     new_layers = {} if new_layers is None else new_layers
     if isinstance(staging_limit_bytes, str) and staging_limit_bytes != "auto":
         raise ValueError(f"staging_limit_bytes must be 'auto', None or an int, not {staging_limit_bytes!r}")
-    ids_host = block_ids.to(device="cpu", dtype=torch.long)
-    id_list = ids_host.tolist()
-    n_ids = len(id_list)
-    starts = _run_starts(ids_host)
-    ids = None  # on the layers' device, made at the first layer this rank works on
+    if path not in ("auto", "direct", "staged"):
+        raise ValueError(f"path must be 'auto', 'direct' or 'staged', not {path!r}")
+    peer = getattr(transport, "peer_access", None)
+    if path == "direct" and peer is None:
+        raise ValueError("path='direct' needs a transport with peer access (transport.peer_access)")
+    direct = peer is not None and path != "staged"
+    stats.path = "direct" if direct else "staged"
+    idmap = _IdMap(block_ids, dst_block_ids)
+    n_ids = idmap.n
     baseline = sum(_nbytes(t) for t in old_layers.values()) + sum(_nbytes(t) for t in new_layers.values())
     by_layer: dict[int, list[Slice]] = {}
     for s in plan:
@@ -258,8 +382,12 @@ def migrate_kv(
     order = layer_order(old_view.topo, new_view.topo, old_view.num_layers)
     wanted = set(by_layer) if layers is None else set(layers)
     todo = [ly for ly in order if ly in wanted]
+    if direct:
+        _migrate_direct(rank, old_layers, old_view, new_view, todo, by_layer, idmap, alloc_layer, peer,
+                        stats, new_layers, done, fail_after_layers, baseline)
+        stats.seconds = time.perf_counter() - t0
+        return new_layers, stats
     stage = _Staging()
-    chunks: dict[int, list] = {}  # step → [(cids, runs)], the same for every layer of that step
     for n_done, layer in enumerate(todo):
         if fail_after_layers is not None and n_done >= fail_after_layers:
             raise InjectedFault(f"injected fault in MIGRATE_KV after {n_done} layers")
@@ -272,14 +400,14 @@ def migrate_kv(
         new_t = new_layers.get(layer)
         if mine and n_ids:
             proto = old_t if old_t is not None else new_t
-            if ids is None or ids.device != proto.device:
-                ids = block_ids.to(device=proto.device, dtype=torch.long)
-                chunks.clear()
-                stage.bind(proto.device)
+            stage.bind(proto.device)
+            if new_t is not None:
+                idmap.check_pool(new_t.shape[0])
             per_block_head = proto[0, 0].numel() * proto.element_size()
-            layer_bytes = proto.shape[0] * old_view.num_kv_heads * per_block_head
-            step, local_step, beside = _chunk_blocks(rank, slices, new_view.heads_per_rank, proto.shape[0],
-                                             layer_bytes, per_block_head, staging_limit_bytes, n_ids)
+            nb_old, nb_new = idmap.pools(proto.shape[0], pool_blocks)
+            layer_bytes = max(nb_old, nb_new) * old_view.num_kv_heads * per_block_head
+            step, local_step, beside = _chunk_blocks(rank, slices, new_view.heads_per_rank, nb_new,
+                                                     layer_bytes, per_block_head, staging_limit_bytes, n_ids)
             current = sum(_nbytes(t) for t in old_layers.values()) + sum(
                 _nbytes(t) for t in new_layers.values()) - baseline
             src_perm = _memory_order(old_t) if old_t is not None else None
@@ -298,22 +426,22 @@ def migrate_kv(
             need = sum(_aligned((sv if s.src == rank else dv).nbytes(n0)) for s, sv, dv in remote)
             lneed = max((_aligned(sv.nbytes(l0)) for _, sv, _ in local), default=0)
             stage.fit(need + lneed if beside else max(need, lneed))
-            rounds = _chunk_list(chunks, step, ids, id_list, starts) if remote else [None]
+            rounds = idmap.rounds(proto.device, step) if remote else [None]
             for i, rnd in enumerate(rounds):
-                posted = _post_round(rank, layer, remote, *rnd, stage, transport, stats) if rnd else None
+                posted = _post_round(rank, layer, remote, rnd, stage, transport, stats) if rnd else None
                 if i == 0 and posted and not beside:
-                    _finish_round(*rnd, *posted, transport)
+                    _finish_round(rnd, *posted, transport)
                     posted = None
                 if i == 0:  # local copies (no peer: any piece size), beside or after the first round
                     busy = stage.used if posted else 0
                     for _, sv, dv in local:
-                        for cids, runs in _chunk_list(chunks, local_step, ids, id_list, starts):
-                            temp = _copy_local(sv, dv, cids, runs, stage, busy)
-                            stats.bytes_copied_locally += sv.nbytes(cids.numel())
+                        for piece in idmap.rounds(proto.device, local_step):
+                            temp = _copy_local(sv, dv, piece, stage, busy)
+                            stats.bytes_copied_locally += sv.nbytes(piece.n)
                             stats.peak_extra_bytes = max(stats.peak_extra_bytes,
                                                          current + stage.capacity + temp)
                 if posted:
-                    _finish_round(*rnd, *posted, transport)
+                    _finish_round(rnd, *posted, transport)
                 stats.peak_extra_bytes = max(stats.peak_extra_bytes, current + stage.capacity)
             # drop every view of this layer's tensors now: a view left until the next layer's
             # allocation would keep the old layer alive next to the new one
@@ -328,45 +456,114 @@ def migrate_kv(
     return new_layers, stats
 
 
-def _chunk_list(cache: dict, step: int, ids: torch.Tensor, id_list: list[int],
-                starts: list[int]) -> list:
-    """The rounds of ``step`` blocks: (block ids on the device, their runs); built once per step."""
-    got = cache.get(step)
-    if got is None:
-        n = len(id_list)
-        got = cache[step] = [(ids[a:min(n, a + step)], _Runs(id_list, starts, a, min(n, a + step)))
-                             for a in range(0, n, step)]
-    return got
+class _Round:
+    """Positions [a, b) of the id lists: the source ids (on the device, and as runs of
+    consecutive ids), the destination ids likewise, and the joint runs (both consecutive)."""
+
+    __slots__ = ("n", "cids", "runs", "dcids", "druns", "jruns")
+
+    def __init__(self, n, cids, runs, dcids, druns, jruns):
+        self.n, self.cids, self.runs, self.dcids, self.druns, self.jruns = n, cids, runs, dcids, druns, jruns
 
 
-def _copy_local(sv: "_SliceView", dv: "_SliceView", cids, runs: "_Runs", stage: "_Staging",
-                busy: int) -> int:
-    """Heads staying on this rank (maybe at another head offset), staged after the first ``busy``
-    bytes of the staging buffer (the round in flight); returns temporary bytes used outside it."""
-    n = cids.numel()
+class _IdMap:
+    """Old block ``src[i]`` → new block ``dst[i]``; host lists, runs, device copies and rounds."""
+
+    def __init__(self, block_ids: torch.Tensor, dst_block_ids: torch.Tensor | None):
+        src = torch.as_tensor(block_ids).to(device="cpu", dtype=torch.long).reshape(-1)
+        self._src_in = block_ids
+        self.src = src.tolist()
+        self.n = len(self.src)
+        self.src_starts = _run_starts(src)
+        self.same = True
+        self.dst, self.dst_starts, self.joint = self.src, self.src_starts, self.src_starts
+        self._dst_in = None
+        if dst_block_ids is not None:
+            dst = torch.as_tensor(dst_block_ids).to(device="cpu", dtype=torch.long).reshape(-1)
+            if dst.numel() != self.n:
+                raise ValueError(f"dst_block_ids has {dst.numel()} ids, block_ids {self.n}")
+            dl = dst.tolist()
+            if len(set(dl)) != self.n:
+                raise ValueError("dst_block_ids must be distinct (two old blocks into one new block)")
+            if self.n and min(dl) < 0:
+                raise ValueError("dst_block_ids must be non-negative")
+            if dl != self.src:
+                self.same = False
+                self._dst_in = dst_block_ids
+                self.dst, self.dst_starts = dl, _run_starts(dst)
+                self.joint = sorted(set(self.src_starts) | set(self.dst_starts))
+        self._dev: dict = {}
+        self._rounds: dict = {}
+
+    def pools(self, shape0: int, given: tuple[int, int] | None) -> tuple[int, int]:
+        if given is not None:
+            return int(given[0]), int(given[1])
+        if self.same:
+            return shape0, shape0
+        return (max(self.src) + 1 if self.n else 1), (max(self.dst) + 1 if self.n else 1)
+
+    def check_pool(self, new_blocks: int) -> None:
+        if self.n and not self.same and max(self.dst) >= new_blocks:
+            raise ValueError(f"dst_block_ids reach block {max(self.dst)}, the new pool has {new_blocks}")
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._dev.get(device)
+        if got is None:
+            s = self._src_in.to(device=device, dtype=torch.long).reshape(-1) if isinstance(
+                self._src_in, torch.Tensor) else torch.tensor(self.src, dtype=torch.long, device=device)
+            d = s if self.same else (self._dst_in.to(device=device, dtype=torch.long).reshape(-1) if isinstance(
+                self._dst_in, torch.Tensor) else torch.tensor(self.dst, dtype=torch.long, device=device))
+            got = self._dev[device] = (s, d)
+        return got
+
+    def rounds(self, device: torch.device, step: int) -> list[_Round]:
+        """Pieces of ``step`` positions; built once per (device, step)."""
+        key = (device, step)
+        got = self._rounds.get(key)
+        if got is None:
+            sids, dids = self.on(device)
+            got = []
+            for a in range(0, self.n, step):
+                b = min(self.n, a + step)
+                runs = _Runs(self.src, self.src_starts, a, b)
+                if self.same:
+                    c = sids[a:b]
+                    got.append(_Round(b - a, c, runs, c, runs, runs))
+                else:
+                    got.append(_Round(b - a, sids[a:b], runs, dids[a:b], _Runs(self.dst, self.dst_starts, a, b),
+                                      _Runs(self.src, self.joint, a, b, self.dst)))
+            self._rounds[key] = got
+        return got
+
+
+def _copy_local(sv: "_SliceView", dv: "_SliceView", rnd: _Round, stage: "_Staging", busy: int) -> int:
+    """Heads staying on this rank (maybe at another head offset or block id), staged after the
+    first ``busy`` bytes of the staging buffer (the round in flight); returns temporary bytes used
+    outside it."""
+    n = rnd.n
     if sv.same_layout(dv):
-        if runs.count <= RUN_COPY_MAX_RUNS and sv.same_width(dv):
-            for _, b0, ln in runs.list():
-                dv.m.narrow(dv.pb, b0, ln).copy_(sv.m.narrow(sv.pb, b0, ln))
+        if rnd.jruns.count <= RUN_COPY_MAX_RUNS and sv.same_width(dv):
+            for _, s0, d0, ln in rnd.jruns.pairs():
+                dv.m.narrow(dv.pb, d0, ln).copy_(sv.m.narrow(sv.pb, s0, ln))
             return 0
         stage.ensure(_aligned(busy + sv.nbytes(n)))
-        sv.gather(cids, runs, stage.view(busy, sv.buffer_shape(n), sv.m.dtype))
-        dv.scatter(cids, runs, stage.view(busy, dv.buffer_shape(n), dv.m.dtype))
+        sv.gather(rnd.cids, rnd.runs, stage.view(busy, sv.buffer_shape(n), sv.m.dtype))
+        dv.scatter(rnd.dcids, rnd.druns, stage.view(busy, dv.buffer_shape(n), dv.m.dtype))
         return 0
-    part = sv.exec.index_select(0, cids)  # old and new tensors laid out differently
-    dv.exec.index_copy_(0, cids, part)
+    part = sv.exec.index_select(0, rnd.cids)  # old and new tensors laid out differently
+    dv.exec.index_copy_(0, rnd.dcids, part)
     return _nbytes(part)
 
 
-def _post_round(rank, layer, work, cids, runs, stage, transport, stats):
-    """Post one round: every remote slice of this rank for the blocks ``cids``, in plan order
+def _post_round(rank, layer, work, rnd: _Round, stage, transport, stats):
+    """Post one round: every remote slice of this rank for the round's blocks, in plan order
     (gathers into the staging buffer, then isend; irecv into staging or straight into place)."""
-    n = cids.numel()
+    n = rnd.n
     # decide first (in place or staged), so that the staging buffer is sized once for the round
     acts, need = [], 0
     for s, sv, dv in work:
         v = sv if s.src == rank else dv
-        region = v.region(runs)
+        region = v.region(rnd.runs if s.src == rank else rnd.druns)
         if region is not None:
             acts.append((s, v, region, None))
         else:
@@ -382,7 +579,7 @@ def _post_round(rank, layer, work, cids, runs, stage, transport, stats):
             buf, wire = stage.view(off, v.buffer_shape(n), v.m.dtype, with_bytes=True)
         if s.src == rank:
             if region is None:
-                v.gather(cids, runs, buf)
+                v.gather(rnd.cids, rnd.runs, buf)
             handles.append(transport.isend(wire, s.dst, tag=layer))
             stats.bytes_sent += wire.numel()
         else:
@@ -394,17 +591,19 @@ def _post_round(rank, layer, work, cids, runs, stage, transport, stats):
     return handles, keep, scatters
 
 
-def _finish_round(cids, runs, handles, keep, scatters, transport) -> None:
+def _finish_round(rnd: _Round, handles, keep, scatters, transport) -> None:
     transport.wait(handles)
     for v, buf in scatters:
-        v.scatter(cids, runs, buf)
+        v.scatter(rnd.dcids, rnd.druns, buf)
 
 
 class _Runs:
-    """Runs of consecutive block ids in positions [a, b) of the id list: (offset, first id, length)."""
+    """Runs of consecutive block ids in positions [a, b) of the id list: (offset, first id, length).
+    With ``dst`` (a second id list, runs cut where either list breaks): :meth:`pairs` gives
+    (offset, first source id, first destination id, length)."""
 
-    def __init__(self, ids: list[int], starts: list[int], a: int, b: int):
-        self.ids, self.a, self.b = ids, a, b
+    def __init__(self, ids: list[int], starts: list[int], a: int, b: int, dst: list[int] | None = None):
+        self.ids, self.a, self.b, self.dst = ids, a, b, dst
         self.starts = starts[bisect.bisect_right(starts, a):bisect.bisect_left(starts, b)]
         self.count = len(self.starts) + 1 if b > a else 0
         self._list = None
@@ -414,6 +613,10 @@ class _Runs:
             cuts = [self.a, *self.starts, self.b]
             self._list = [(c - self.a, self.ids[c], d - c) for c, d in zip(cuts, cuts[1:])]
         return self._list
+
+    def pairs(self) -> list[tuple[int, int, int, int]]:
+        dst = self.ids if self.dst is None else self.dst
+        return [(o, b0, dst[self.a + o], ln) for o, b0, ln in self.list()]
 
 
 def _run_starts(ids: torch.Tensor) -> list[int]:
@@ -451,7 +654,10 @@ class _SliceView:
         return [d for d in self.perm if d in big] == [d for d in other.perm if d in big]
 
     def same_width(self, other: "_SliceView") -> bool:
-        return self.m.dtype == other.m.dtype and self.m.shape == other.m.shape and self.pb == other.pb
+        """Same element type and shape except the block dim (the pools may differ in size)."""
+        if self.m.dtype != other.m.dtype or self.pb != other.pb or self.m.dim() != other.m.dim():
+            return False
+        return all(a == b for d, (a, b) in enumerate(zip(self.m.shape, other.m.shape)) if d != self.pb)
 
     def region(self, runs: _Runs) -> torch.Tensor | None:
         """The chunk's bytes in the tensor itself, when they are one contiguous range."""
@@ -562,6 +768,309 @@ def _widen(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+DIRECT_KERNEL = "auto"
+"""What moves the bytes on the direct path: ``"auto"`` (the Triton kernel for CUDA tensors where
+Triton imports and the layout suits it, else torch ops), ``"triton"`` (an error where it cannot)
+or ``"torch"`` (one strided copy per run of consecutive ids where there are at most
+:data:`RUN_COPY_MAX_RUNS`: one pass; else ``index_select`` / ``index_copy_`` in pieces of at most
+:data:`STAGING_FRACTION` of the new layer: two passes through that temporary)."""
+
+
+def _migrate_direct(rank, old_layers, old_view, new_view, todo, by_layer, idmap, alloc_layer, peer,
+                    stats, new_layers, done, fail_after_layers, baseline) -> None:
+    """The direct path of :func:`migrate_kv`: per layer, in the common layer order, every rank
+    that sends shares its old layer, every rank that receives pulls all its slices (local ones
+    too) from the source tensors into its new layer, closes what it opened, and a rank that
+    shared waits until its readers are done before it releases the old layer."""
+    n_ids = idmap.n
+    kernels: set[str] = set()
+    for n_done, layer in enumerate(todo):
+        if fail_after_layers is not None and n_done >= fail_after_layers:
+            raise InjectedFault(f"injected fault in MIGRATE_KV after {n_done} layers")
+        tl = time.perf_counter()
+        slices = by_layer[layer]
+        incoming = [s for s in slices if s.dst == rank]
+        if incoming and layer not in new_layers:
+            new_layers[layer] = alloc_layer(layer)
+        old_t = old_layers.get(layer)
+        new_t = new_layers.get(layer)
+        outgoing = [s for s in slices if s.src == rank and s.dst != rank]
+        if n_ids and (incoming or outgoing):
+            if (outgoing or any(s.src == rank for s in incoming)) and old_t is None:
+                raise RuntimeError(f"rank {rank}: the plan moves layer {layer} from it, but it holds no old layer {layer}")
+            proto = old_t if old_t is not None else new_t
+            per_block_head = proto[0, 0].numel() * proto.element_size()
+            readers = len({s.dst for s in outgoing})
+            if readers:
+                peer.share(layer, old_t, readers)
+            if incoming:
+                idmap.check_pool(new_t.shape[0])
+                srcs: dict[int, torch.Tensor] = {}
+                try:
+                    for s in incoming:
+                        if s.src not in srcs:
+                            srcs[s.src] = old_t if s.src == rank else peer.open(layer, s.src)
+                    work = [(srcs[s.src], old_view.local_head(s.head_start), new_view.local_head(s.head_start),
+                             s.heads) for s in incoming]
+                    current = sum(_nbytes(t) for t in old_layers.values()) + sum(
+                        _nbytes(t) for t in new_layers.values()) - baseline
+                    kernel, temp = _pull(work, new_t, idmap)
+                    kernels.add(kernel)
+                    stats.peak_extra_bytes = max(stats.peak_extra_bytes, current + temp)
+                    del work
+                finally:  # also on error: a source must not wait for a reader that failed
+                    for src in srcs:
+                        if src != rank:
+                            peer.close(layer, src)
+                    srcs.clear()
+                for s in incoming:
+                    nb = s.heads * n_ids * per_block_head
+                    if s.src == rank:
+                        stats.bytes_copied_locally += nb
+                    else:
+                        stats.bytes_received += nb
+            if readers:
+                peer.reclaim(layer)
+                stats.bytes_sent += sum(s.heads for s in outgoing) * n_ids * per_block_head
+            del proto
+        old_layers.pop(layer, None)  # release the old layer as soon as its readers are done
+        del old_t, new_t
+        if done is not None:
+            done.append(layer)
+        stats.layers += 1
+        stats.per_layer_seconds.append(time.perf_counter() - tl)
+    stats.kernel = "mixed" if len(kernels) > 1 else (kernels.pop() if kernels else "")
+
+
+def _pull(work: list, new_t: torch.Tensor, idmap: _IdMap) -> tuple[str, int]:
+    """Copy every (source tensor, source local head, destination local head, heads) slice of
+    ``work`` into ``new_t`` for all ids; returns (what copied, temporary bytes used)."""
+    if new_t.is_cuda and DIRECT_KERNEL != "torch":
+        if _pull_triton(work, new_t, idmap):
+            return "triton", 0
+        if DIRECT_KERNEL == "triton":
+            raise RuntimeError("DIRECT_KERNEL='triton' but Triton is not importable or the layout does not suit it")
+    temp = 0
+    for src_t, lo_s, lo_d, heads in work:
+        temp = max(temp, _pull_torch(src_t, lo_s, new_t, lo_d, heads, idmap))
+    return "torch", temp
+
+
+def _pull_torch(src_t, lo_s, dst_t, lo_d, heads, idmap: _IdMap) -> int:
+    sv = _SliceView(src_t, _memory_order(src_t), lo_s, heads)
+    dv = _SliceView(dst_t, _memory_order(dst_t), lo_d, heads)
+    same = sv.same_layout(dv)
+    whole = idmap.rounds(dst_t.device, idmap.n)[0]
+    if whole.jruns.count <= RUN_COPY_MAX_RUNS:  # one strided copy per joint run: one pass
+        wide = same and sv.same_width(dv)  # memory-order views as wide elements: fewer of them
+        for _, s0, d0, ln in whole.jruns.pairs():
+            if wide:
+                dv.m.narrow(dv.pb, d0, ln).copy_(sv.m.narrow(sv.pb, s0, ln))
+            else:
+                dv.exec.narrow(0, d0, ln).copy_(sv.exec.narrow(0, s0, ln))
+        return 0
+    step = max(1, min(idmap.n, int(STAGING_FRACTION * _nbytes(dst_t)) // max(1, sv.nbytes(1))))
+    rs = idmap.rounds(src_t.device, step)
+    rd = idmap.rounds(dst_t.device, step) if dst_t.device != src_t.device else rs
+    temp = 0
+    for a, b in zip(rs, rd):
+        if same:
+            part = torch.index_select(sv.m, sv.pb, a.cids).to(dst_t.device)
+            if part.dtype != dv.m.dtype or list(part.shape) != dv.buffer_shape(b.n):
+                part = _as_bytes(part).view(dv.m.dtype).view(dv.buffer_shape(b.n))
+            dv.m.index_copy_(dv.pb, b.dcids, part)
+        else:  # old and new tensors laid out differently
+            part = sv.exec.index_select(0, a.cids).to(dst_t.device)
+            dv.exec.index_copy_(0, b.dcids, part)
+        temp = max(temp, _nbytes(part))
+        del part
+    return temp
+
+
+# ---------------------------------------------------------------- the Triton pull kernel
+
+_TRITON: tuple | bool | None = None  # (triton, kernel) once imported; False: not importable
+_PLANS: dict = {}  # launch signature → _PullPlan (tables on the device), shared by all migrations
+_PLAN_LOCK = threading.Lock()
+_MAX_SOURCES = 8  # source tensors per launch (kernel arguments s0..s7)
+_MAX_ROWS = 1 << 16
+tl = None  # triton.language, bound on first use (the kernel below reads it as a global)
+
+
+def _kv_pull(dst, s0, s1, s2, s3, s4, s5, s6, s7, tab, roff_s, roff_d, sids, dids,
+             TAB: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, VEC: tl.constexpr):
+    """One program = one (block position i, slice j): rows x columns of the slice's block copied
+    from its source tensor to ``dst`` (same element type), ``VEC``-element aligned throughout."""
+    i = tl.program_id(0).to(tl.int64)
+    t = tab + tl.program_id(1) * TAB
+    k = tl.load(t)
+    so = tl.multiple_of(tl.load(t + 1) + tl.load(sids + i) * tl.load(t + 3), VEC)
+    do = tl.multiple_of(tl.load(t + 2) + tl.load(dids + i) * tl.load(t + 4), VEC)
+    w = tl.multiple_of(tl.load(t + 5), VEC)
+    nrows = tl.load(t + 6)
+    r0 = tl.load(t + 7)
+    src = s0
+    if k == 1:
+        src = s1
+    if k == 2:
+        src = s2
+    if k == 3:
+        src = s3
+    if k == 4:
+        src = s4
+    if k == 5:
+        src = s5
+    if k == 6:
+        src = s6
+    if k == 7:
+        src = s7
+    for r in range(0, nrows, RB):
+        rows = r + tl.arange(0, RB)
+        rmask = rows < nrows
+        ro_s = tl.multiple_of(tl.load(roff_s + r0 + rows, mask=rmask, other=0), VEC)
+        ro_d = tl.multiple_of(tl.load(roff_d + r0 + rows, mask=rmask, other=0), VEC)
+        for c in range(0, w, CB):
+            cols = tl.max_contiguous(tl.multiple_of(c + tl.arange(0, CB), CB), CB)
+            m = rmask[:, None] & (cols < w)[None, :]
+            x = tl.load(src + (so + ro_s[:, None] + cols[None, :]), mask=m, eviction_policy="evict_first")
+            tl.store(dst + (do + ro_d[:, None] + cols[None, :]), x, mask=m)
+
+
+def _triton():
+    global _TRITON, tl
+    if _TRITON is None:
+        with _PLAN_LOCK:
+            if _TRITON is None:
+                try:
+                    import triton
+                    import triton.language as language
+                    tl = language
+                    _TRITON = (triton, triton.jit(_kv_pull))
+                except Exception:  # noqa: BLE001 - not installed, or a CPU host's broken build
+                    _TRITON = False
+    return _TRITON
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _rows(src_t: torch.Tensor, dst_t: torch.Tensor, heads: int):
+    """A slice's per-block region (heads × the dims after it) as rows: (row width in elements,
+    row offsets in the source, in the destination), the width being the innermost dims that are
+    contiguous in both tensors."""
+    shape = [heads] + list(src_t.shape[2:])
+    ss = [src_t.stride(d) for d in range(1, src_t.dim())]
+    ds = [dst_t.stride(d) for d in range(1, dst_t.dim())]
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: (-ds[d], -ss[d]))
+    inner, k = 1, len(dims)
+    while k and ss[dims[k - 1]] == inner and ds[dims[k - 1]] == inner:
+        inner *= shape[dims[k - 1]]
+        k -= 1
+    so, do = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    for d in dims[:k]:
+        idx = torch.arange(shape[d], dtype=torch.long)
+        so = (so[:, None] + idx * ss[d]).reshape(-1)
+        do = (do[:, None] + idx * ds[d]).reshape(-1)
+    return inner, so, do
+
+
+class _PullPlan:
+    """The device tables of one launch signature (shapes, strides and head offsets of a layer's
+    slices: the same for every layer of a migration)."""
+
+    def __init__(self, slices: list, dst_t: torch.Tensor):
+        es = dst_t.element_size()
+        tab, so_all, do_all, widths, nrows, quanta = [], [], [], [], [], []
+        for k, src_t, lo_s, lo_d, heads in slices:
+            w, so, do = _rows(src_t, dst_t, heads)
+            if w * es < 16 or so.numel() > _MAX_ROWS:
+                raise _Unsuited(f"rows of {w * es} bytes × {so.numel()}")
+            r0 = sum(x.numel() for x in so_all)
+            ho_s, ho_d = lo_s * src_t.stride(1), lo_d * dst_t.stride(1)
+            tab.append([k, ho_s, ho_d, src_t.stride(0), dst_t.stride(0), w, so.numel(), r0])
+            so_all.append(so)
+            do_all.append(do)
+            widths.append(w)
+            nrows.append(so.numel())
+            quanta += [ho_s, ho_d, src_t.stride(0), dst_t.stride(0), w] + so.tolist()[:64] + do.tolist()[:64]
+            quanta += [math.gcd(*so.tolist()), math.gcd(*do.tolist())]
+        g = 0
+        for q in quanta:
+            g = math.gcd(g, int(q))
+        vec = 1
+        while vec * 2 * es <= 16 and g % (vec * 2) == 0:
+            vec *= 2
+        wg = 0
+        for w in widths:
+            wg = math.gcd(wg, w)
+        cap = max(1, 2048 // es)
+        cb = 1
+        while cb * 2 <= cap and wg % (cb * 2) == 0:
+            cb *= 2
+        if cb * es < 256:  # odd widths: a wider masked tile
+            cb = min(cap, 1 << (max(widths) - 1).bit_length())
+        cb = max(cb, vec)
+        rb = max(1, min(1 << (max(nrows) - 1).bit_length(), max(1, (16384 // es) // cb)))
+        dev = dst_t.device
+        self.tab = torch.tensor(tab, dtype=torch.long).to(dev)
+        self.roff_s = torch.cat(so_all).to(dev)
+        self.roff_d = torch.cat(do_all).to(dev)
+        self.idt = _INT_OF_SIZE[es]
+        self.meta = dict(TAB=8, RB=rb, CB=cb, VEC=vec, num_warps=8 if rb * cb * es >= 16384 else 4)
+
+
+class _Unsuited(Exception):
+    pass
+
+
+def _pull_triton(work: list, new_t: torch.Tensor, idmap: _IdMap) -> bool:
+    """One launch per layer (per :data:`_MAX_SOURCES` source tensors): grid = ids × slices.
+    False where Triton is missing or the layout does not suit the kernel (caller falls back)."""
+    tri = _triton()
+    es = new_t.element_size()
+    if not tri or es not in _INT_OF_SIZE:
+        return False
+    if any(src_t.dtype != new_t.dtype or src_t.device != new_t.device or src_t.dim() != new_t.dim()
+           or src_t.shape[2:] != new_t.shape[2:] for src_t, *_ in work):
+        return False
+    _, kernel = tri
+    sids, dids = idmap.on(new_t.device)
+    groups: list[list] = []
+    order: dict[int, int] = {}
+    for src_t, lo_s, lo_d, heads in work:
+        key = id(src_t)
+        if key not in order:
+            if len(order) % _MAX_SOURCES == 0:
+                groups.append([])
+            order[key] = len(order)
+        groups[order[key] // _MAX_SOURCES].append((order[key] % _MAX_SOURCES, src_t, lo_s, lo_d, heads))
+    launches = []
+    for group in groups:
+        sig = (new_t.device, new_t.dtype, tuple(new_t.shape[1:]), new_t.stride(),
+               tuple((k, tuple(s.shape[1:]), s.stride(), lo_s, lo_d, h) for k, s, lo_s, lo_d, h in group))
+        plan = _PLANS.get(sig)
+        if plan is None:
+            try:
+                plan = _PullPlan(group, new_t)
+            except _Unsuited:
+                plan = False
+            with _PLAN_LOCK:
+                if len(_PLANS) > 512:
+                    _PLANS.clear()
+                _PLANS[sig] = plan
+        if not plan:
+            return False
+        srcs = [None] * _MAX_SOURCES
+        for k, s, *_ in group:
+            srcs[k] = s.view(plan.idt)
+        dst = new_t.view(plan.idt)
+        srcs = [dst if s is None else s for s in srcs]
+        launches.append((plan, dst, srcs, len(group)))
+    for plan, dst, srcs, n_slices in launches:
+        kernel[(idmap.n, n_slices)](dst, *srcs, plan.tab, plan.roff_s, plan.roff_d, sids, dids, **plan.meta)
+    return True
+
+
 def _chunk_blocks(rank: int, slices: list[Slice], new_heads_per_rank: int, num_blocks: int,
                   layer_bytes: int, per_block_head: int, limit: int | str | None,
                   n_ids: int) -> tuple[int, int, bool]:
@@ -624,6 +1133,7 @@ def migrate_kv_reference(
     new_layers: dict[int, torch.Tensor] | None = None,
     done: list[int] | None = None,
     staging_limit_bytes: int | None = None,
+    dst_block_ids: torch.Tensor | None = None,
 ) -> tuple[dict[int, torch.Tensor], MigrationStats]:
     """The first executor, kept as the reference the fast one is checked (and benchmarked) against:
     it gathers each slice by block-index advanced indexing, makes the gather contiguous (a second
@@ -640,13 +1150,17 @@ def migrate_kv_reference(
     and ``done`` (appended to as layers complete) says which layers fully moved.
     ``staging_limit_bytes`` (default: no limit) moves each layer in chunks of blocks so that this
     rank's staging buffers stay under about that many bytes (every rank must pass the same value);
-    the peak extra memory is then one new per-rank layer plus that limit.
+    the peak extra memory is then one new per-rank layer plus that limit. ``dst_block_ids``: as
+    for :func:`migrate_kv` (old block ``block_ids[i]`` → new block ``dst_block_ids[i]``).
     Returns (new layers of this rank, stats).
     """
     stats = MigrationStats()
     t0 = time.perf_counter()
     new_layers = {} if new_layers is None else new_layers
     ids = block_ids.to(device=_device_of(old_layers, new_layers), dtype=torch.long)
+    dids = ids if dst_block_ids is None else dst_block_ids.to(device=ids.device, dtype=torch.long)
+    if dids.numel() != ids.numel():
+        raise ValueError(f"dst_block_ids has {dids.numel()} ids, block_ids {ids.numel()}")
     baseline = sum(_nbytes(t) for t in old_layers.values()) + sum(_nbytes(t) for t in new_layers.values())
     by_layer: dict[int, list[Slice]] = {}
     for s in plan:
@@ -664,7 +1178,9 @@ def migrate_kv_reference(
             new_layers[layer] = alloc_layer(layer)
         old_t = old_layers.get(layer)
         new_t = new_layers.get(layer)
-        for cids in _chunks(ids, old_view.num_kv_heads, old_t, new_t, staging_limit_bytes):
+        pieces = _chunks(ids, old_view.num_kv_heads, old_t, new_t, staging_limit_bytes)
+        dpieces = _chunks(dids, old_view.num_kv_heads, old_t, new_t, staging_limit_bytes)
+        for cids, dcids in zip(pieces, dpieces):
             handles, recvs, staging = [], [], 0
             for s in slices:
                 if (s.src != rank and s.dst != rank) or cids.numel() == 0:
@@ -673,7 +1189,7 @@ def migrate_kv_reference(
                     o_lo = old_view.local_head(s.head_start)
                     n_lo = new_view.local_head(s.head_start)
                     part = old_t[cids, o_lo:o_lo + s.heads]
-                    new_t[cids, n_lo:n_lo + s.heads] = part
+                    new_t[dcids, n_lo:n_lo + s.heads] = part
                     stats.bytes_copied_locally += _nbytes(part)
                     staging = max(staging, _nbytes(part))
                 elif s.src == rank:
@@ -697,7 +1213,7 @@ def migrate_kv_reference(
             for s, buf in recvs:
                 if s is not None:
                     n_lo = new_view.local_head(s.head_start)
-                    new_t[cids, n_lo:n_lo + s.heads] = buf
+                    new_t[dcids, n_lo:n_lo + s.heads] = buf
             del recvs, handles
         old_layers.pop(layer, None)  # release the old layer as soon as it has moved
         del old_t, new_t

@@ -26,7 +26,7 @@ def rank_layers(kv, view, rank):
     return {ly: kv[ly][:, hs.start:hs.stop].clone() for ly in view.layers_of(rank)}
 
 
-def _worker(rank, world, port, old, new, live, fail_after, q):
+def _worker(rank, world, port, old, new, live, fail_after, q, dst_live=None, new_nb=NB, pools=True):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -38,13 +38,15 @@ def _worker(rank, world, port, old, new, live, fail_after, q):
         ids = torch.tensor(live)
 
         def alloc(_layer):
-            return torch.zeros(NB, b.heads_per_rank, BS, C)
+            return torch.zeros(new_nb, b.heads_per_rank, BS, C)
 
+        dids = None if dst_live is None else torch.tensor(dst_live)
         new_layers = {}
         try:
             new_layers, stats = migrate_kv(rank, old_layers, a, b, plan, ids, alloc,
                                            TorchDistTransport(None), fail_after_layers=fail_after,
-                                           new_layers=new_layers)
+                                           new_layers=new_layers, dst_block_ids=dids,
+                                           pool_blocks=(NB, new_nb) if dst_live and pools else None)
         except InjectedFault:
             q.put((rank, "fault", sorted(new_layers), sorted(old_layers)))
             return
@@ -52,20 +54,21 @@ def _worker(rank, world, port, old, new, live, fail_after, q):
         for ly, t in new_layers.items():
             hs = b.heads_of(rank)
             want = kv[ly][:, hs.start:hs.stop]
-            ok &= torch.equal(t[ids], want[ids])
-            dead = [i for i in range(NB) if i not in live]
+            ok &= t.shape[0] == new_nb and torch.equal(t[ids if dids is None else dids], want[ids])
+            dead = [i for i in range(new_nb) if i not in (live if dst_live is None else dst_live)]
             ok &= bool((t[dead] == 0).all())  # blocks without live data are not moved
         q.put((rank, ok, sorted(new_layers), len(old_layers), stats.as_dict(), one_layer_local_old))
     finally:
         dist.destroy_process_group()
 
 
-def run(old, new, live, fail_after=None):
+def run(old, new, live, fail_after=None, dst_live=None, new_nb=NB, pools=True):
     world = old.world_size
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, old, new, live, fail_after, q))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, old, new, live, fail_after, q, dst_live, new_nb,
+                                                     pools))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -125,4 +128,24 @@ def test_runs_and_gaps_over_gloo(old, new, live_name):
         assert ok, (rank, stats)
         assert layers == list(b.layers_of(rank))
         assert old_left == 0
+    assert sum(r[4]["bytes_sent"] for r in res) == sum(r[4]["bytes_received"] for r in res) > 0
+
+
+@pytest.mark.parametrize("old,new,pools", [(Topology(2, 1), Topology(1, 2), True),
+                                           (Topology(4, 1), Topology(2, 2), True),
+                                           (Topology(1, 4), Topology(4, 1), False)], ids=str)
+def test_dst_block_ids_into_a_smaller_pool_over_gloo(old, new, pools):
+    """Live blocks of a 64-block pool compacted into a 24-block pool (scrambled order, runs and
+    gaps in both id lists), over real gloo: exact, the new pool's other blocks untouched; pool
+    sizes given (``pool_blocks``) or inferred from the ids (every rank must split alike)."""
+    live = sorted(LIVE_SETS["gaps"][:20])
+    new_nb = 24
+    dst_live = __import__("random").Random(7).sample(range(new_nb), len(live))
+    res = run(old, new, live, dst_live=dst_live, new_nb=new_nb, pools=pools)
+    b = RankView(new, L, H)
+    for rank, ok, layers, old_left, stats, _ in res:
+        assert ok, (rank, stats)
+        assert layers == list(b.layers_of(rank))
+        assert old_left == 0
+        assert stats["path"] == "staged"
     assert sum(r[4]["bytes_sent"] for r in res) == sum(r[4]["bytes_received"] for r in res) > 0
