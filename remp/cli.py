@@ -103,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     _controller_parser(sub)
     _make_model_parser(sub)
     _dashboard_parser(sub)
-    from remp import ops_cli, up
+    from remp import ops_cli, prefill, up
 
     ops_cli.add_parsers(sub)
     up.add_parser(sub)
+    prefill.add_parser(sub)
     sub.add_parser("policy", help="the policy service: evaluate | serve | ... "
                    "(remp policy --help)", add_help=False)
     return ap
@@ -231,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return policy_main(argv[1:])
     a = build_parser().parse_args(argv)
-    from remp import ops_cli
+    from remp import ops_cli, prefill
 
     return {"agent": cmd_agent, "controller": cmd_controller, "make-model": cmd_make_model,
-            "dashboard": cmd_dashboard, "up": cmd_up, **ops_cli.COMMANDS}[a.cmd](a)
+            "dashboard": cmd_dashboard, "up": cmd_up, "profile": prefill.main,
+            **ops_cli.COMMANDS}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -425,3 +425,77 @@ def test_pool_grows_without_displacing_and_validates():
 
 def test_blocks_for():
     assert [blocks_for(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+# ----------------------------------------------------------------------------- remp profile (pure)
+
+
+def test_profile_lengths_fit_the_engine():
+    from remp.prefill import lengths_for
+
+    assert lengths_for((), 512) == [16, 32, 64, 128, 256, 511]
+    assert lengths_for((), 257) == [16, 32, 64, 128, 256]
+    assert lengths_for((64, 16, 64), 512) == [16, 64]
+    assert lengths_for((16, 5000), 0) == [16, 5000]  # unknown limit
+    with pytest.raises(ValueError, match=r"\[512\] do not fit max_model_len 512 \(at most 511\)"):
+        lengths_for((16, 512), 512)
+    with pytest.raises(ValueError, match="two distinct"):
+        lengths_for((16, 16), 512)
+
+
+def test_profile_prompts_histograms_and_kv_bytes():
+    import random
+
+    from remp.prefill import histogram_sum_count, kv_bytes_per_token, prompt_ids
+
+    ids = prompt_ids(300, 2048, random.Random(1))
+    assert len(ids) == 300 and all(3 <= i < 2048 for i in ids)
+    assert ids != prompt_ids(300, 2048, random.Random(2))
+    text = "\n".join([
+        "# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase",
+        'vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3"} 2.0',
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 0.25',
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} 3.0',
+        'vllm:request_prefill_time_seconds_sum{engine="1",model_name="tiny"} 0.5',
+        'vllm:request_prefill_time_seconds_count{engine="1",model_name="tiny"} 1.0',
+        'vllm:request_decode_time_seconds_sum{engine="0"} 9.0'])
+    assert histogram_sum_count(text, "vllm:request_prefill_time_seconds") == (0.75, 4.0)
+    assert histogram_sum_count("nothing here", "vllm:request_prefill_time_seconds") is None
+    assert kv_bytes_per_token(4, 4, 32, "float32") == 4096
+    assert kv_bytes_per_token(4, 4, 32, "bfloat16") == 2048
+    assert kv_bytes_per_token(4, 4, 32, "mystery") == 0
+
+
+def test_profile_builds_the_table_from_samples():
+    from remp.prefill import Sample, build_table, summary_lines
+
+    samples = [Sample(16, 0.050, 0.010), Sample(16, 0.048, 0.012), Sample(16, 0.300, 0.011),
+               Sample(64, 0.052, 0.020), Sample(64, 0.051, 0.009), Sample(64, 0.049, 0.021),
+               Sample(256, 0.060, 0.040), Sample(256, 0.061, 0.041), Sample(256, 0.059, 0.039)]
+    t = build_table(samples, "engine", {"topology": "TP2PP1", "kv_bytes_per_token": 4096})
+    assert t.points == ((16, 0.011), (64, 0.020), (256, 0.040))
+    assert t.meta["seconds_source"] == "engine" and t.meta["topology"] == "TP2PP1"
+    m = t.meta["measurements"][0]
+    assert (m["tokens"], m["n"], m["ttft_median_s"], m["ttft_max_s"]) == (16, 3, 0.050, 0.300)
+    assert (m["engine_min_s"], m["engine_median_s"], m["engine_max_s"]) == (0.010, 0.011, 0.012)
+    ttft = build_table(samples, "ttft", {})
+    # client medians 0.050, 0.051, 0.060: already monotone
+    assert ttft.points == ((16, 0.050), (64, 0.051), (256, 0.060))
+    lines = summary_lines(t)
+    assert len(lines) == 3 and "cheaper above 6.0 MB/s" in lines[0]  # 65536 B / 11 ms
+    assert PrefillTable.loads(t.dumps()) == t
+    with pytest.raises(RuntimeError, match="use --source ttft"):
+        build_table([Sample(16, 0.05), Sample(64, 0.06)], "engine", {})
+
+
+def test_the_committed_measured_tables_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parents[2] / "docs" / "prefill").glob("*.json"))
+    assert {f.stem for f in files} >= {"tiny-cpu-2core-TP1PP1", "tiny-cpu-2core-TP2PP1",
+                                       "tiny-cpu-2core-TP1PP2"}
+    for f in files:
+        t = PrefillTable.loads(f.read_text())
+        assert t.meta["source"] == "remp profile" and t.meta["seconds_source"] == "engine"
+        assert f.stem.endswith(t.meta["topology"])
+        assert t.points[-1][0] == t.meta["model"]["max_model_len"] - 1
