@@ -526,13 +526,15 @@ class MemTrace:
 
 def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, poison: bool,
                 staging_limit="auto", trace: MemTrace | None, copy: str = "memcpy",
-                presync: bool = True, reference: bool = False) -> tuple[dict, dict]:
+                presync: bool = True, reference: bool = False, direct: bool = False) -> tuple[dict, dict]:
     """One migration of every rank (threads); ``reference`` runs the first executor
-    (``migrate_kv_reference``: advanced-index gather, ``.contiguous()``, ``index_put`` scatter)."""
+    (``migrate_kv_reference``: advanced-index gather, ``.contiguous()``, ``index_put`` scatter);
+    ``direct`` the executor's direct path (``LocalTransport(direct=True)``: every receiver pulls
+    its slices straight from the source ranks' tensors, one pass, one kernel launch per layer)."""
     a, b = RankView(old, case.L, case.H), RankView(new, case.L, case.H)
     plan = migration_plan(old, new, case.L, case.H)
     world = max(old.world_size, new.world_size)
-    hub = LocalTransport(timeout_s=60.0, copy=copy)
+    hub = LocalTransport(timeout_s=60.0, copy=copy, direct=direct)
     results: list = [None] * world
     errors: list = []
 
@@ -543,14 +545,22 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
             t = torch.empty(case.shape(b.heads_per_rank), dtype=DTYPE, device=case.dev)
         return case.exec_view(t)
 
+    host = [0.0] * world
+
     def work(r):
+        t_cpu = time.thread_time()
         try:
             with stream_ctx(streams, r):
-                fn = migrate_kv_reference if reference else migrate_kv
-                results[r] = fn(r, layers.get(r, {}), a, b, plan, case.ids, alloc_for,
-                                hub.endpoint(r), staging_limit_bytes=staging_limit)
+                if reference:
+                    results[r] = migrate_kv_reference(r, layers.get(r, {}), a, b, plan, case.ids, alloc_for,
+                                                      hub.endpoint(r), staging_limit_bytes=staging_limit)
+                else:
+                    results[r] = migrate_kv(r, layers.get(r, {}), a, b, plan, case.ids, alloc_for,
+                                            hub.endpoint(r), staging_limit_bytes=staging_limit,
+                                            path="direct" if direct else "staged")
         except BaseException as exc:  # noqa: BLE001
             errors.append((r, exc))
+        host[r] = time.thread_time() - t_cpu
 
     before = [sum(nbytes(t) for t in layers.get(r, {}).values()) for r in range(world)]
     cuda = case.dev.type == "cuda"
@@ -576,10 +586,15 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
     stats = [results[r][1] for r in range(world)]
     sent = sum(s.bytes_sent for s in stats)
     local = sum(s.bytes_copied_locally for s in stats)
+    kernels = sorted({getattr(s, "kernel", "") for s in stats} - {""})
     info = {"seconds": dt, "bytes_remote": sent, "bytes_local": local, "bytes_moved": sent + local,
             "GBps": (sent + local) / dt / GB,
-            # HBM passes on one GPU: remote = gather + transport copy + scatter, local = gather + scatter
-            "hbm_copy_GBps": (3 * sent + 2 * local) / dt / GB,
+            # HBM passes on one GPU: staged remote = gather + transport copy + scatter, staged
+            # local = gather + scatter; direct = one pass (read once, write once) for every byte
+            "hbm_copy_GBps": ((sent + local) if direct else (3 * sent + 2 * local)) / dt / GB,
+            "kernel": ",".join(kernels) if kernels else None,
+            # CPU time of the rank threads (Python + launches, one GIL): summed ≈ serialized host work
+            "host_cpu_s_sum": sum(host), "host_cpu_s_max": max(host),
             # transient: the peak above the larger of this rank's KV before and after (a rank whose
             # share grows, e.g. TP1PP8 → TP1PP1, ends with more KV: that is not overhead)
             "executor_peak_extra_bytes": [
@@ -592,12 +607,13 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
     return new_layers, info
 
 
-def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "reference")) -> list[dict]:
+def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "reference", "direct")) -> list[dict]:
     """Legs over {A, B}; returns one record per direction. The executor's default (staging limit
     ``"auto"`` = ``kv_migration.STAGING_FRACTION`` of a layer): A→B poisoned, checked and memory
     traced; B→A and A→B timed; B→A poisoned, checked, traced. ``unlimited`` (no staging limit):
     both directions poisoned/checked/traced, then both timed. ``reference`` (the first executor,
-    no limit): both directions timed, the live blocks checked after."""
+    no limit): both directions timed, the live blocks checked after. ``direct`` (the single-pass
+    peer-access path): both directions poisoned/checked/traced, then both timed."""
     rec = {(A, B): {"old": str(A), "new": str(B)}, (B, A): {"old": str(B), "new": str(A)}}
     layers = case.fill(A, streams)
     layers, i1 = migrate_leg(case, A, B, layers, streams, poison=True, trace=trace)
@@ -630,18 +646,31 @@ def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "refer
             extra[key]["reference"] = {"seconds": timed["seconds"], "GBps": timed["GBps"],
                                        "hbm_copy_GBps": timed["hbm_copy_GBps"], "ok": ok}
             rec[key]["ok_reference"] = ok
+    if "direct" in variants:
+        layers, d1 = migrate_leg(case, A, B, layers, streams, poison=True, trace=trace, direct=True)
+        ok_ab = case.check(B, layers, poisoned=True)
+        layers, d2 = migrate_leg(case, B, A, layers, streams, poison=True, trace=trace, direct=True)
+        ok_ba = case.check(A, layers, poisoned=True)
+        layers, d3 = migrate_leg(case, A, B, layers, streams, poison=False, trace=None, direct=True)
+        layers, d4 = migrate_leg(case, B, A, layers, streams, poison=False, trace=None, direct=True)
+        for key, timed, checked, ok in (((A, B), d3, d1, ok_ab), ((B, A), d4, d2, ok_ba)):
+            extra[key]["direct"] = {"seconds": timed["seconds"], "GBps": timed["GBps"],
+                                    "hbm_copy_GBps": timed["hbm_copy_GBps"], "peak": _peaks(case, checked),
+                                    "host_cpu_s_sum": timed["host_cpu_s_sum"], "host_cpu_s_max": timed["host_cpu_s_max"],
+                                    "seconds_poisoned": checked["seconds"], "kernel": timed["kernel"], "ok": ok}
+            rec[key]["ok_direct"] = ok
     legs = {(A, B): (i3, i1), (B, A): (i2, i4)}
     del layers
     out = []
     for key, (timed, checked) in legs.items():
         r = rec[key]
-        r.update(seconds=timed["seconds"], bytes_moved=timed["bytes_moved"],
+        r.update(seconds=timed["seconds"], bytes_moved=timed["bytes_moved"], host_cpu_s_sum=timed["host_cpu_s_sum"],
                  bytes_remote=timed["bytes_remote"], bytes_local=timed["bytes_local"],
                  GBps=timed["GBps"], hbm_copy_GBps=timed["hbm_copy_GBps"],
                  seconds_poisoned=checked["seconds"], staging="auto")
         r["peak"] = _peaks(case, checked)
         r.update(extra[key])
-        for sub in [r] + [r[k] for k in ("unlimited", "reference") if k in r]:
+        for sub in [r] + [r[k] for k in ("unlimited", "reference", "direct") if k in r]:
             if ceil_copy:
                 sub["pct_of_d2d"] = 100 * sub["GBps"] / ceil_copy
                 sub["hbm_pct_of_d2d"] = 100 * sub["hbm_copy_GBps"] / ceil_copy
@@ -701,12 +730,14 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
             for r in pair_rows:
                 rows.append(r)
                 pk = r["peak"]
-                un, ref = r.get("unlimited", {}), r.get("reference", {})
-                log(f"  {r['old']:>7}→{r['new']:<7} {r['bytes_moved'] / GB:7.2f} GB {r['seconds'] * 1e3:8.1f} ms"
-                    f" {r['GBps']:7.1f} GB/s ({r.get('pct_of_d2d', 0):4.1f}% d2d, hbm {r.get('hbm_pct_of_d2d', 0):4.1f}%)"
-                    f" peak/layer {_peak_of(pk):.2f}; unlimited {un.get('GBps', float('nan')):6.1f} GB/s"
-                    f" peak {_peak_of(un['peak']) if un else float('nan'):.2f}; reference {ref.get('GBps', float('nan')):6.1f} GB/s"
-                    f" ok={r['ok']}/{r.get('ok_unlimited')}/{r.get('ok_reference')}")
+                un, ref, di = r.get("unlimited", {}), r.get("reference", {}), r.get("direct", {})
+                log(f"  {r['old']:>7}→{r['new']:<7} {r['bytes_moved'] / GB:7.2f} GB"
+                    f" direct {di.get('seconds', float('nan')) * 1e3:7.1f} ms {di.get('GBps', float('nan')):7.1f} GB/s"
+                    f" ({di.get('pct_of_d2d', float('nan')):4.1f}% d2d) peak {_peak_of(di['peak']) if di else float('nan'):.2f}"
+                    f" [{di.get('kernel')}, host {di.get('host_cpu_s_sum', float('nan')) * 1e3:.0f} ms]; staged {r['seconds'] * 1e3:7.1f} ms {r['GBps']:6.1f} GB/s"
+                    f" ({r.get('pct_of_d2d', 0):4.1f}%) peak {_peak_of(pk):.2f};"
+                    f" unlimited {un.get('GBps', float('nan')):6.1f}; reference {ref.get('GBps', float('nan')):6.1f} GB/s"
+                    f" ok={r['ok']}/{r.get('ok_unlimited')}/{r.get('ok_reference')}/{r.get('ok_direct')}")
         runs.append({"model": name, "tokens": tokens, "pairs": which, "num_blocks": case.NB,
                      "live_blocks": int(case.ids.numel()), "block_size": BLOCK_SIZE,
                      "one_layer_kv_bytes": case.layer_bytes, "all_layers_kv_bytes": case.layer_bytes * case.L,
@@ -720,6 +751,95 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def direct_selfcheck(dev: torch.device, streams, small: bool = False) -> dict:
+    """The direct path on this device with small shapes (head size 128, bf16): every ordered pair
+    of the world-4 and world-8 sets and two across world sizes, vLLM's GPU (flash) layout and the
+    block-first layout, block ids in odd runs / scrambled / all, each both to the same ids and
+    compacted into a smaller destination pool (``dst_block_ids``); destinations NaN-poisoned, every
+    element compared bit for bit, free blocks checked untouched, and which copy ran recorded."""
+    import random
+
+    Lc, Hc, NBc, BSc, Dc = (8, 8, 12, 2, 8) if small else (8, 8, 40, 16, 128)
+    w4, w8 = [Topology(1, 4), Topology(2, 2), Topology(4, 1)], X8
+    pairs = list(itertools.permutations(w4, 2)) + list(itertools.permutations(w8, 2)) + [
+        (Topology(1, 1), Topology(8, 1)), (Topology(8, 1), Topology(1, 1))]
+    rng = random.Random(3)
+    odd = sorted(rng.sample(range(NBc), NBc // 2 + 3))
+    id_sets = {"odd_runs": odd, "scrambled": rng.sample(range(NBc), NBc // 3), "all": list(range(NBc))}
+    if small:  # the CPU check of this script: a few of each
+        pairs, id_sets = pairs[:2] + pairs[6:8] + pairs[-1:], {k: id_sets[k] for k in ("odd_runs", "scrambled")}
+
+    def to_layout(x, layout):  # x: [nb, h, BS, 2D] block-first
+        if layout == "flash":
+            nb, h = x.shape[0], x.shape[1]
+            return x.reshape(nb, h, BSc, 2, Dc).permute(3, 0, 2, 1, 4).contiguous().permute(1, 3, 0, 2, 4)
+        return x.contiguous()
+
+    def poisoned(layout, heads, nb):
+        if layout == "flash":
+            return torch.full((2, nb, BSc, heads, Dc), float("nan"), dtype=DTYPE, device=dev).permute(1, 3, 0, 2, 4)
+        return torch.full((nb, heads, BSc, 2 * Dc), float("nan"), dtype=DTYPE, device=dev)
+
+    G = torch.randint(-2**15, 2**15, (Lc, NBc, Hc, BSc, 2 * Dc), dtype=torch.int16, device=dev).view(DTYPE)
+    res = {"cases": 0, "failures": [], "kernels": set()}
+    t0 = time.perf_counter()
+    for (old, new), layout, (iname, ids) in itertools.product(pairs, ("flash", "block"), id_sets.items()):
+        for compact in (False, True):
+            new_nb = len(ids) + 3 if compact else NBc
+            dst = rng.sample(range(new_nb), len(ids)) if compact else list(ids)
+            a, b = RankView(old, Lc, Hc), RankView(new, Lc, Hc)
+            plan = migration_plan(old, new, Lc, Hc)
+            world = max(old.world_size, new.world_size)
+            hub = LocalTransport(timeout_s=60.0, direct=True)
+            layers = {r: {} for r in range(world)}
+            for r in range(old.world_size):
+                hs = a.heads_of(r)
+                with stream_ctx(streams, r):
+                    streams[r].wait_stream(torch.cuda.default_stream(dev)) if streams else None
+                    layers[r] = {ly: to_layout(G[ly][:, hs.start:hs.stop], layout) for ly in a.layers_of(r)}
+            sync(dev)
+            out, errs = [None] * world, []
+
+            def work(r):
+                try:
+                    with stream_ctx(streams, r):
+                        out[r] = migrate_kv(r, layers[r], a, b, plan, torch.tensor(ids, device=dev),
+                                            lambda _ly: poisoned(layout, b.heads_per_rank, new_nb), hub.endpoint(r),
+                                            dst_block_ids=torch.tensor(dst, device=dev) if compact else None,
+                                            path="direct")
+                except BaseException as exc:  # noqa: BLE001
+                    errs.append(exc)
+
+            ths = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            sync(dev)
+            ok = not errs and not hub._shared
+            if ok:
+                dead = torch.ones(new_nb, dtype=torch.bool, device=dev)
+                dead[torch.tensor(dst, device=dev)] = False
+                for r in range(new.world_size):
+                    hs = b.heads_of(r)
+                    res["kernels"].add(out[r][1].kernel)
+                    for ly in b.layers_of(r):
+                        t = out[r][0][ly]
+                        want = to_layout(G[ly][:, hs.start:hs.stop], layout)
+                        ok &= torch.equal(t[torch.tensor(dst, device=dev)].contiguous().view(torch.int16),
+                                          want[torch.tensor(ids, device=dev)].contiguous().view(torch.int16))
+                        ok &= bool(t[dead].isnan().all())
+            res["cases"] += 1
+            if not ok:
+                res["failures"].append(f"{old}→{new} {layout} {iname} compact={compact}: {errs[:1]!r}")
+    res["kernels"] = sorted(res["kernels"])
+    res["seconds"] = time.perf_counter() - t0
+    res["ok"] = not res["failures"]
+    log(f"[kv selfcheck] direct path: {res['cases']} migrations, kernels {res['kernels']}, "
+        f"{len(res['failures'])} failures, {res['seconds']:.1f} s" + (f": {res['failures'][:3]}" if res["failures"] else ""))
+    return res
 
 
 def bench_kv_ops(cfg, dev, args) -> dict:
@@ -787,11 +907,58 @@ def bench_kv_ops(cfg, dev, args) -> dict:
             lambda sv=sv, buf=buf: [buf.narrow(sv.pb, o, n).copy_(sv.m.narrow(sv.pb, b0, n))
                                     for o, b0, n in runs.list()], nb, "launch-bound when runs are short")
         del part, newb, nex, flat, src_flat, buf, dbuf, sv, dv
+    out["direct"] = direct_ops(case, ex, rec, dev)
     del base, ex
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def direct_ops(case: KVCase, ex: torch.Tensor, rec, dev) -> dict:
+    """The direct path's pull (``kv_migration._pull``: one launch per receiving rank and layer)
+    on one layer, timed alone: a receiver of h heads pulling them from one full-layer source, and a
+    TP1 receiver pulling all heads from 8 TP8 sources in one launch; each checked bit for bit."""
+    H, ids = case.H, case.ids
+    idmap = kvm._IdMap(ids, None)
+    res: dict = {"kernel": None, "ok": True}
+    for h in (H, H // 8):
+        t = torch.full(case.shape(h), float("nan"), device=dev, dtype=DTYPE)
+        nex = case.exec_view(t)
+        res["kernel"], _ = kvm._pull([(ex, 0, 0, h)], nex, idmap)
+        res["ok"] &= torch.equal(nex[ids].view(torch.int16), ex[ids, 0:h].view(torch.int16))
+        nb = nbytes(nex[ids])
+        rec(f"direct pull ({res['kernel']}), 1 source → {h} heads, one launch",
+            lambda nex=nex, h=h: kvm._pull([(ex, 0, 0, h)], nex, idmap), nb, "single pass: read once, write once")
+        plan = list(kvm._PLANS.values())[-1] if res["kernel"] == "triton" and kvm._PLANS else None
+        if plan:  # the tile and warps the executor chose, against a few others (same kernel)
+            chosen = dict(plan.meta)
+            res.setdefault("tiles", {})[h] = {"chosen": chosen, "variants": []}
+            for rb, cb, nw in ((8, 128, 4), (32, 128, 8), (32, 256, 8), (64, 256, 8), (16, 512, 4)):
+                plan.meta = dict(chosen, RB=rb, CB=cb, num_warps=nw)
+                t.fill_(float("nan"))
+                kvm._pull([(ex, 0, 0, h)], nex, idmap)
+                good = torch.equal(nex[ids].view(torch.int16), ex[ids, 0:h].view(torch.int16))
+                res["ok"] &= good
+                ms = median_time(lambda nex=nex, h=h: kvm._pull([(ex, 0, 0, h)], nex, idmap), dev, 5) * 1e3
+                res["tiles"][h]["variants"].append({"RB": rb, "CB": cb, "num_warps": nw, "ms": ms,
+                                                    "GBps": nb / ms / 1e6, "ok": good})
+                log(f"[kv ops]   tile {rb}x{cb}, {nw} warps: {ms:.3f} ms {nb / ms / 1e6:.0f} GB/s ok={good}")
+            plan.meta = chosen
+        del t, nex
+    hs = H // 8
+    srcs = [case.exec_view(ex[:, k * hs:(k + 1) * hs].permute(2, 0, 3, 1, 4).contiguous()) for k in range(8)]
+    t = torch.full(case.shape(H), float("nan"), device=dev, dtype=DTYPE)
+    nex = case.exec_view(t)
+    work = [(srcs[k], 0, k * hs, hs) for k in range(8)]
+    kvm._pull(work, nex, idmap)
+    res["ok"] &= torch.equal(nex[ids].view(torch.int16), ex[ids].view(torch.int16))
+    rec(f"direct pull ({res['kernel']}), 8 sources × {hs} heads → {H} heads, one launch",
+        lambda: kvm._pull(work, nex, idmap), nbytes(nex[ids]), "TP8 → TP1 layer")
+    del srcs, t, nex, work
+    if not res["ok"]:
+        log("[kv ops] direct pull: WRONG RESULT")
+    return res
 
 
 # --------------------------------------------------------------------------- 4. overlap
@@ -914,10 +1081,12 @@ def predict(report, args) -> dict:
     kv_runs = report.get("kv", {}).get("runs", [])
     hbm_rates = [r["hbm_copy_GBps"] for run in kv_runs for r in run["rows"] if run["tokens"] >= 50000]
     hbm_rate = statistics.median(hbm_rates) if hbm_rates else None
+    d_rates = [r["direct"]["GBps"] for run in kv_runs for r in run["rows"] if run["tokens"] >= 50000 and "direct" in r]
+    d_rate = statistics.median(d_rates) if d_rates else None
     ov = report.get("overlap", {})
     hidden = min(1.0, max(0.0, ov.get("hidden_fraction_of_shorter", 0.0))) if ov else 0.0
     out = {"assumed": dict(ASSUMED), "measured_inputs": {
-        "kv_gather_scatter_hbm_copy_GBps": hbm_rate, "h2d_pinned_GBps": pinned,
+        "kv_gather_scatter_hbm_copy_GBps": hbm_rate, "kv_direct_GBps": d_rate, "h2d_pinned_GBps": pinned,
         "overlap_hidden_fraction": hidden}, "rows": []}
     nv = ASSUMED["nvlink_GBps_per_dir"] * ASSUMED["nvlink_efficiency"]
     for name, cfg in models.items():
@@ -931,6 +1100,11 @@ def predict(report, args) -> dict:
                 if hbm_rate:
                     t_kv = max((r["send"] + r["recv"] + 2 * r["local"]) / (hbm_rate * GB)
                                + max(r["send"], r["recv"]) / (nv * GB) for r in ranks)
+                t_kvd = None
+                if d_rate:  # direct: one pass; a GPU's HBM serves its sent bytes' reads, its received
+                    # bytes' writes and its local copies (d_rate = bytes copied/s, a read plus a write each)
+                    t_kvd = max(max(max(r["send"], r["recv"]) / (nv * GB),
+                                    (0.5 * (r["send"] + r["recv"]) + r["local"]) / (d_rate * GB)) for r in ranks)
                 shard = max(sum(math.prod(s) * 2 for s in llama_shard_pieces(cfg, B.tp, B.pp, r)[0].values())
                             for r in range(B.world_size))
                 e = eff.get(str(B))
@@ -938,8 +1112,12 @@ def predict(report, args) -> dict:
                 t_dp = None
                 if t_kv is not None and t_rel is not None:
                     t_dp = max(t_kv, t_rel) + (1 - hidden) * min(t_kv, t_rel)
+                t_dpd = None
+                if t_kvd is not None and t_rel is not None:
+                    t_dpd = max(t_kvd, t_rel) + (1 - hidden) * min(t_kvd, t_rel)
                 out["rows"].append({"model": name, "tokens": tokens, "pair": f"{A}→{B}",
                                     "kv_s": t_kv, "reload_s": t_rel, "data_path_s": t_dp,
+                                    "kv_direct_s": t_kvd, "data_path_direct_s": t_dpd,
                                     "max_rank_shard_bytes": shard,
                                     "max_rank_kv_send_bytes": max(r["send"] for r in ranks),
                                     "reload_efficiency": e})
@@ -988,6 +1166,20 @@ def kv_targets(kv: dict) -> dict:
         if sub:
             t[f"kv_{var}_pct_of_d2d"] = {"median_ge_50k_tokens": statistics.median(x["pct_of_d2d"] for x in sub),
                                          "hbm_median_ge_50k_tokens": statistics.median(x["hbm_pct_of_d2d"] for x in sub)}
+    dr = [(run, r["direct"]) for run in kv["runs"] for r in run["rows"] if "pct_of_d2d" in r.get("direct", {})]
+    if dr:
+        per = {}
+        for run, x in dr:
+            per.setdefault(f"{run['model']}_{run['tokens']}", []).append(x["pct_of_d2d"])
+        t["kv_direct_pct_of_d2d"] = {
+            "median_ge_50k_tokens": statistics.median([x["pct_of_d2d"] for run, x in dr if run["tokens"] >= 50000]
+                                                      or [x["pct_of_d2d"] for _, x in dr]),
+            "min": min(x["pct_of_d2d"] for _, x in dr), "max": max(x["pct_of_d2d"] for _, x in dr),
+            **{f"median_{k}": statistics.median(v) for k, v in per.items()}, "target": 70}
+        dp = [_peak_of(x["peak"]) for _, x in dr if "peak" in x]
+        if dp:
+            t["peak_extra_direct_vs_one_layer"] = {"max": max(dp), "target": 1.10,
+                                                   "pairs_within": sum(x <= 1.10 for x in dp), "pairs": len(dp)}
     alt = "unlimited" if any("unlimited" in r for r in kv_rows) else "chunked"
     for key, label in (("alloc_max_rank_vs_layer", "per_rank_allocator"),
                        ("executor_max_rank_vs_layer", "per_rank_executor")):
@@ -1001,7 +1193,7 @@ def kv_targets(kv: dict) -> dict:
     return t
 
 
-_OK_KEYS = ("ok_unlimited", "ok_reference", "ok_chunked")
+_OK_KEYS = ("ok_unlimited", "ok_reference", "ok_chunked", "ok_direct")
 
 
 def correctness(report) -> dict:
@@ -1015,10 +1207,13 @@ def correctness(report) -> dict:
     rel_err = any("error" in x for x in report.get("reload", {}).values())
     base = all(x.get("baseline_remp_shm", {}).get("ok", True) for x in report.get("reload", {}).values())
     base = base and not rel_err
+    ops = report.get("kv_ops", {}).get("direct", {}).get("ok", True)
+    ops = ops and report.get("kv_selfcheck", {}).get("ok", True)
     return {"reload_checks": len(rel), "reload_all_ok": all(x[3] for x in rel) and base,
             "kv_directions_checked": len(kv), "kv_checks": sum(1 + sum(k in r for k in _OK_KEYS) for r in kv),
-            "kv_all_ok": ok_kv, "overlap_ok": ov,
-            "all_ok": all(x[3] for x in rel) and base and ok_kv and ov}
+            "kv_all_ok": ok_kv, "overlap_ok": ov, "kv_ops_direct_ok": ops,
+            "kv_selfcheck_cases": report.get("kv_selfcheck", {}).get("cases", 0),
+            "all_ok": all(x[3] for x in rel) and base and ok_kv and ov and ops}
 
 
 def fmt(x, f="{:.1f}"):
@@ -1080,6 +1275,17 @@ def markdown(report) -> str:
             L += ["", f"For reference, the engine path's way (`remp_shm`: `safe_open().get_tensor()` of each "
                   f"whole tensor, then the cut copied from pageable memory), TP2PP2 rank 0: {b['GBps']:.1f} GB/s."]
         L.append("")
+    sc = report.get("kv_selfcheck")
+    if sc:
+        L += ["## Direct KV path: self-check on this device" + _src_note(report, "selfcheck"), "",
+              f"{sc.get('cases', 0)} small migrations (head size 128, bf16; every ordered pair of the world-4 and "
+              "world-8 sets and TP1PP1 ↔ TP8PP1; vLLM's GPU layout and the block-first layout; block ids in odd "
+              "runs, scrambled, all; each to the same ids and compacted into a smaller pool through "
+              "`dst_block_ids`), destinations NaN-poisoned, every element compared bit for bit, free blocks "
+              f"checked untouched: **{'all exact' if sc.get('ok') else 'FAILURES'}**; copies by "
+              f"{', '.join(sc.get('kernels', [])) or '?'}; {sc.get('seconds', 0):.1f} s."
+              + (f" Failures: {sc['failures'][:5]}." if sc.get("failures") else "")
+              + (f" Error: {sc['error']}." if sc.get("error") else ""), ""]
     L += kv_markdown(report)
     ov = report.get("overlap")
     if ov:
@@ -1129,13 +1335,19 @@ def markdown(report) -> str:
               f"ceiling), overlap {100 * mi['overlap_hidden_fraction']:.0f} % of the shorter phase hidden. Assumed: NVLink "
               f"{ASSUMED['nvlink_GBps_per_dir']:.0f} GB/s per direction at {ASSUMED['nvlink_efficiency']:.0%}, PCIe Gen5 "
               f"{ASSUMED['pcie_GBps_per_gpu']:.0f} GB/s per GPU (not shared; two GPUs behind one switch would halve it). "
-              "Per GPU: KV = (send + receive + 2·local bytes) / HBM rate + max(send, receive) / NVLink; reload = largest "
-              "shard / (PCIe × efficiency); data path = max + (1 − hidden) · min. Quiesce, MPU apply and rebind are "
-              "not included.", "",
-              "| model | live tokens | pair | KV ms | reload ms | data path ms |", "| --- | ---: | --- | ---: | ---: | ---: |"]
+              "Per GPU: staged KV = (send + receive + 2·local bytes) / HBM rate + max(send, receive) / NVLink; direct "
+              f"KV (pull over CUDA-IPC peer mappings; measured direct rate {fmt(mi.get('kv_direct_GBps'), '{:.0f}')} GB/s, "
+              "all ranks of one GPU together) = max(max(send, receive) / NVLink, (½·(send + receive) + local) / direct rate); reload = "
+              "largest shard / (PCIe × efficiency); data path = max + (1 − hidden) · min. Quiesce, MPU apply and "
+              "rebind are not included.", "",
+              "| model | live tokens | pair | KV ms (staged) | KV ms (direct) | reload ms | data path ms (staged) | "
+              "data path ms (direct) |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+
+        def ms(v):
+            return fmt(v * 1e3 if v is not None else None, '{:.0f}')
         for x in pr["rows"]:
-            L.append(f"| {x['model']} | {x['tokens']} | {x['pair']} | {fmt(x['kv_s'] and x['kv_s'] * 1e3, '{:.0f}')} | "
-                     f"{fmt(x['reload_s'] and x['reload_s'] * 1e3, '{:.0f}')} | {fmt(x['data_path_s'] and x['data_path_s'] * 1e3, '{:.0f}')} |")
+            L.append(f"| {x['model']} | {x['tokens']} | {x['pair']} | {ms(x['kv_s'])} | {ms(x.get('kv_direct_s'))} | "
+                     f"{ms(x['reload_s'])} | {ms(x['data_path_s'])} | {ms(x.get('data_path_direct_s'))} |")
         L.append("")
     if report.get("notes"):
         L += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
@@ -1153,93 +1365,169 @@ def kv_markdown(report) -> list[str]:
     if not kv.get("runs"):
         return L
     L += ["## KV migration (all emulated ranks on the one GPU)" + _src_note(report, "kv"), "",
-          "Executor: `migrate_kv` per rank, one thread and CUDA stream per rank, `LocalTransport` "
-          "copies between ranks' allocations. *default* = the executor as shipped (staging limit `auto` = "
+          "Executors, each run per rank in its own thread and CUDA stream, ranks' buffers as separate "
+          "allocations on the one GPU: *direct* = `migrate_kv` over `LocalTransport(direct=True)`: the "
+          "single-pass peer-access path (each receiver pulls every slice of a layer straight from the source "
+          "ranks' layer tensors into its new tensor: each byte read once and written once, one Triton launch "
+          "per receiving rank and layer, grid = live blocks × slices, 16-byte vector loads/stores; no staging; on "
+          "an NVLink host the same pull through CUDA-IPC peer mappings); *staged* = the executor's default path "
+          "(staging limit `auto` = "
           f"{kv['runs'][0].get('staging_fraction', 0.1):.0%} of one full layer; runs of ≤ "
           f"{kv['runs'][0].get('run_copy_max_runs', '?')} consecutive-id runs copied per run, more by one "
-          "`index_select` / `index_copy_` on the memory-order view as 16-byte elements); *unlimited* = same "
-          "executor, no staging limit; *reference* = the first executor (`migrate_kv_reference`: "
-          "advanced-index gather, `.contiguous()`, `index_put` scatter), timed in the same run. GB/s = live KV "
-          "bytes moved (remote + local slices) / wall time of a timed (unpoisoned) leg. *% d2d* = that ÷ the "
-          "d2d copy ceiling; *hbm %* counts the HBM passes the executor makes on one GPU (remote: gather → "
-          "transport copy → scatter = 3 passes; local: gather → scatter = 2), so on one GPU *% d2d* cannot "
-          "exceed ~33 % for remote bytes even with every pass at the ceiling. Peak extra: allocator history "
-          "per rank stream, the peak above the larger of the rank's KV before and after the switch (max over "
-          "ranks) ÷ one full layer's KV (all KV heads, whole pool); global = torch.cuda.max_memory_allocated "
-          "delta with all ranks running at once. Every direction of every pair: destinations NaN-poisoned, "
-          "every live block compared bit for bit with the source, every free block checked still NaN "
-          "(default and unlimited); reference legs check the live blocks.", "",
-          "| model | live tokens | pairs | one layer GB | id runs | default GB/s median (min–max) | % d2d median "
-          "| hbm % median | unlimited GB/s | unlimited hbm % | reference GB/s | speed-up vs reference | "
-          "peak/layer max (default) | peak/layer max (unlimited) | global peak/layer max | all ok |",
-          "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+          "`index_select` / `index_copy_` on the memory-order view as 16-byte elements, `LocalTransport` copies "
+          "between ranks); *unlimited* = staged, no staging limit; *reference* = the first executor "
+          "(`migrate_kv_reference`: advanced-index gather, `.contiguous()`, `index_put` scatter). GB/s = live KV "
+          "bytes moved (remote + local slices) / wall time of a timed (unpoisoned) leg, all ranks together. "
+          "*% d2d* = that ÷ the d2d copy ceiling (bytes copied/s); *hbm %* counts the HBM passes the staged path "
+          "makes on one GPU (remote: gather → transport copy → scatter = 3; local: gather → scatter = 2), so "
+          "staged *% d2d* cannot exceed ~33 % for remote bytes; the direct path makes one pass, so its % d2d is "
+          "its hbm %. Peak extra: allocator history per rank stream, the peak above the larger of the rank's KV "
+          "before and after the switch (max over ranks) ÷ one full layer's KV (all KV heads, whole pool). Every "
+          "direction of every pair: destinations NaN-poisoned, every live block compared bit for bit with the "
+          "source, every free block checked still NaN (direct, staged, unlimited); reference legs check the "
+          "live blocks.", "",
+          "| model | live tokens | pairs | one layer GB | id runs | direct GB/s median (min–max) | direct % d2d "
+          "median (min–max) | direct peak/layer max | staged GB/s median (min–max) | staged % d2d median | staged "
+          "hbm % median | staged peak/layer max | unlimited GB/s | reference GB/s | direct ÷ staged | direct ÷ "
+          "reference | all ok |",
+          "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def med(xs):
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else None
+
+    def span(xs, f="{:.0f}"):
+        xs = [x for x in xs if x is not None]
+        return f"{f.format(statistics.median(xs))} ({f.format(min(xs))}–{f.format(max(xs))})" if xs else "–"
+
+    def row_ok(x):
+        return x["ok"] and all(x.get(k, True) for k in _OK_KEYS)
 
     for run in kv["runs"]:
         rows = run["rows"]
         if not rows:
             continue
         g = [x["GBps"] for x in rows]
+        di = [x["direct"] for x in rows if "direct" in x]
         un = [x["unlimited"] for x in rows if "unlimited" in x]
         ref = [x["reference"] for x in rows if "reference" in x]
-        speed = med([x["GBps"] / x["reference"]["GBps"] for x in rows if "reference" in x])
         pk = [_peak_of(x["peak"]) for x in rows]
-        pu = [_peak_of(u["peak"]) for u in un]
-        gl = [x["peak"]["global_vs_layer"] for x in rows if "global_vs_layer" in x["peak"]]
-        ok = all(x["ok"] and all(x.get(k, True) for k in _OK_KEYS) for x in rows)
+        pd = [_peak_of(d["peak"]) for d in di if "peak" in d]
+        vs_staged = med([x["direct"]["GBps"] / x["GBps"] for x in rows if "direct" in x])
+        vs_ref = med([x["direct"]["GBps"] / x["reference"]["GBps"] for x in rows if "direct" in x and "reference" in x])
+        ok = all(row_ok(x) for x in rows) and not run.get("errors")
         L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {run['one_layer_kv_bytes'] / GB:.3f} | "
-                 f"{run.get('runs_of_consecutive_ids', '–')} | {statistics.median(g):.0f} ({min(g):.0f}–{max(g):.0f}) | "
-                 f"{fmt(med(x.get('pct_of_d2d') for x in rows))} | {fmt(med(x.get('hbm_pct_of_d2d') for x in rows))} | "
-                 f"{fmt(med(u['GBps'] for u in un), '{:.0f}')} | {fmt(med(u.get('hbm_pct_of_d2d') for u in un))} | "
-                 f"{fmt(med(r['GBps'] for r in ref), '{:.0f}')} | {fmt(speed, '{:.1f}×')} | {max(pk):.2f} | "
-                 f"{fmt(max(pu) if pu else None, '{:.2f}')} | {fmt(max(gl) if gl else None, '{:.2f}')} | {ok} |")
-    for run in [r for r in kv["runs"] if r["pairs"] == "x8" and r["rows"]]:
-        L += ["", f"### {run['model']}, {run['tokens']} live tokens, the x8 set (every ordered pair)", "",
-              "| old → new | GB moved | ms | GB/s | % d2d | hbm % | unlimited GB/s | reference GB/s | "
-              "peak/layer | unlimited peak/layer | ok |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                 f"{run.get('runs_of_consecutive_ids', '–')} | {span([d['GBps'] for d in di])} | "
+                 f"{span([d.get('pct_of_d2d') for d in di], '{:.1f}')} | {fmt(max(pd) if pd else None, '{:.2f}')} | "
+                 f"{span(g)} | {fmt(med(x.get('pct_of_d2d') for x in rows))} | "
+                 f"{fmt(med(x.get('hbm_pct_of_d2d') for x in rows))} | {max(pk):.2f} | "
+                 f"{fmt(med(u['GBps'] for u in un), '{:.0f}')} | {fmt(med(r['GBps'] for r in ref), '{:.0f}')} | "
+                 f"{fmt(vs_staged, '{:.1f}×')} | {fmt(vs_ref, '{:.1f}×')} | {ok} |")
+    for run in [r for r in kv["runs"] if r["rows"]]:
+        which = "the x8 set" if run["pairs"] == "x8" else "every TP×PP with TP·PP ≤ 8"
+        L += ["", f"### {run['model']}, {run['tokens']} live tokens, {which} (every ordered pair)", "",
+              "| old → new | GB moved | direct ms | direct host CPU ms | direct GB/s | direct % d2d | direct peak/layer "
+              "| staged ms | staged GB/s | staged % d2d | staged hbm % | staged peak/layer | unlimited GB/s | "
+              "reference GB/s | ok |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for x in run["rows"]:
-            un, ref = x.get("unlimited", {}), x.get("reference", {})
-            L.append(f"| {x['old']} → {x['new']} | {x['bytes_moved'] / GB:.2f} | {x['seconds'] * 1e3:.1f} | "
-                     f"{x['GBps']:.0f} | {fmt(x.get('pct_of_d2d'))} | {fmt(x.get('hbm_pct_of_d2d'))} | "
-                     f"{fmt(un.get('GBps'), '{:.0f}')} | {fmt(ref.get('GBps'), '{:.0f}')} | {_peak_of(x['peak']):.2f} | "
-                     f"{fmt(_peak_of(un['peak']) if un else None, '{:.2f}')} | "
-                     f"{x['ok'] and all(x.get(k, True) for k in _OK_KEYS)} |")
+            un, ref, di = x.get("unlimited", {}), x.get("reference", {}), x.get("direct", {})
+            L.append(f"| {x['old']} → {x['new']} | {x['bytes_moved'] / GB:.2f} | "
+                     f"{fmt(di['seconds'] * 1e3 if di else None)} | "
+                     f"{fmt(di['host_cpu_s_sum'] * 1e3 if 'host_cpu_s_sum' in di else None, '{:.0f}')} | "
+                     f"{fmt(di.get('GBps'), '{:.0f}')} | "
+                     f"{fmt(di.get('pct_of_d2d'))} | {fmt(_peak_of(di['peak']) if di else None, '{:.2f}')} | "
+                     f"{x['seconds'] * 1e3:.1f} | {x['GBps']:.0f} | {fmt(x.get('pct_of_d2d'))} | "
+                     f"{fmt(x.get('hbm_pct_of_d2d'))} | {_peak_of(x['peak']):.2f} | "
+                     f"{fmt(un.get('GBps'), '{:.0f}')} | {fmt(ref.get('GBps'), '{:.0f}')} | {row_ok(x)} |")
     sk = [f"{run['model']} {run['tokens']}: {len(run['skipped'])} pairs ({run.get('skipped_reason', 'time budget')})"
           for run in kv["runs"] if run["skipped"]]
     if sk:
         L += ["", "Not run: " + "; ".join(sk) + "."]
+    errs = [f"{run['model']} {run['tokens']} {e['pair']}: {e['error']}" for run in kv["runs"] for e in run.get("errors", [])]
+    if errs:
+        L += ["", "Errors: " + "; ".join(errs) + "."]
     if kv.get("note"):
         L += ["", f"Note: {kv['note']}."]
+    why = direct_analysis(report)
+    if why:
+        L += ["", "### What limits the direct path (computed from the numbers above)", ""] + [f"- {a}" for a in why]
     L.append("")
-    before = (report.get("superseded", {}).get("kv") or [None])[0]
-    if before and before.get("data", {}).get("runs"):
-        b = before["data"]
-        L += [f"### Before: the first executor's sweep *(from {before['file']}, {before['date']}; replaced by the "
-              "table above)*", "",
-              "Default = no staging limit (then the only behaviour); *chunked* = `staging_limit_bytes` = 10 % of a layer.", "",
-              "| model | live tokens | pairs | GB/s median (min–max) | % d2d median | hbm % median | "
-              "peak/layer max (default) | peak/layer max (chunked) | chunked GB/s median |",
-              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-        for run in b["runs"]:
-            rows = run["rows"]
-            if not rows:
-                continue
-            g = [x["GBps"] for x in rows]
-            ch = [x["chunked"] for x in rows if "chunked" in x]
-            L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {statistics.median(g):.0f} "
-                     f"({min(g):.0f}–{max(g):.0f}) | {fmt(med(x.get('pct_of_d2d') for x in rows))} | "
-                     f"{fmt(med(x.get('hbm_pct_of_d2d') for x in rows))} | {max(_peak_of(x['peak']) for x in rows):.2f} | "
-                     f"{fmt(max(_peak_of(c['peak']) for c in ch) if ch else None, '{:.2f}')} | "
-                     f"{fmt(med(c['GBps'] for c in ch), '{:.0f}')} |")
-        bt = kv_targets(b)
-        if bt.get("kv_pct_of_d2d"):
-            L += ["", f"Then: {bt['kv_pct_of_d2d']['median_ge_50k_tokens']:.1f} % of d2d (median, ≥ 50 k tokens), "
-                  f"hbm {bt['kv_hbm_pct_of_d2d']['median_ge_50k_tokens']:.1f} %."]
-        L.append("")
+    sup = report.get("superseded", {}).get("kv") or []
+    for before in sup[:1] + sup[-1:] if len(sup) > 1 else sup:  # the first executor, the last before this
+        L += _before_kv(before)
+    return L
+
+
+def direct_analysis(report) -> list[str]:
+    """Where the direct path's time goes, from this report's own numbers: the kernel alone (ops)
+    against the d2d ceiling, and per sweep the host CPU time of the rank threads against the wall
+    time (the ranks are threads of one Python process here: their host work is serialized by the
+    GIL, where a real host runs one process per GPU)."""
+    out: list[str] = []
+    ceil = report.get("ceilings", {}).get("d2d_copy_GBps")
+    ops = [o for o in report.get("kv_ops", {}).get("ops", []) if o["op"].startswith("direct pull")]
+    if ops and ceil:
+        out.append("The pull kernel alone (one launch on one 13B-shaped layer, ops table below): " + "; ".join(
+            f"{o['op'].split(', ', 1)[1]}: {o['GBps']:.0f} GB/s = {100 * o['GBps'] / ceil:.0f} % of d2d "
+            f"({o['ms']:.2f} ms)" for o in ops) + ". Each byte is read once and written once, as in the "
+            "d2d copy; what the kernel loses is the per-block address arithmetic, masked tile edges and, "
+            "for small launches, the Python launch itself.")
+    tiles = report.get("kv_ops", {}).get("direct", {}).get("tiles", {})
+    for h, tv in tiles.items():
+        best = max(tv["variants"], key=lambda v: v["GBps"], default=None)
+        if best and ceil:
+            c = tv["chosen"]
+            out.append(f"Tiles for {h} heads: chosen {c['RB']}×{c['CB']} with {c['num_warps']} warps; best of the "
+                       f"others {best['RB']}×{best['CB']}/{best['num_warps']} warps at {best['GBps']:.0f} GB/s "
+                       f"({100 * best['GBps'] / ceil:.0f} % of d2d).")
+    for run in report.get("kv", {}).get("runs", []):
+        di = [(x, x["direct"]) for x in run["rows"] if "host_cpu_s_sum" in x.get("direct", {})]
+        if not di or not ceil:
+            continue
+        share = [d["host_cpu_s_sum"] / d["seconds"] for _, d in di]
+        rate = max((o["GBps"] for o in ops), default=ceil)  # the kernel's measured rate, else the ceiling
+        gpu = [x["bytes_moved"] / (rate * GB) for x, _ in di]
+        slow = [(x, d) for x, d in di if d["pct_of_d2d"] < statistics.median(e["pct_of_d2d"] for _, e in di)]
+        out.append(f"{run['model']}, {run['tokens']} tokens ({run['pairs']}): the rank threads' summed host CPU "
+                   f"time is {statistics.median(share):.0%} of the leg's wall time (median over pairs; "
+                   f"{min(share):.0%}–{max(share):.0%}); the bytes alone at the kernel's best measured rate "
+                   f"({rate:.0f} GB/s) would take "
+                   f"{statistics.median(gpu) * 1e3:.1f} ms against {statistics.median(d['seconds'] for _, d in di) * 1e3:.1f} "
+                   f"ms measured (medians). Below-median pairs: "
+                   + ", ".join(f"{x['old']}→{x['new']}" for x, _ in slow[:6]) + (" …" if len(slow) > 6 else "") + ".")
+    return out
+
+
+def _before_kv(before) -> list[str]:
+    """A superseded KV sweep, summarized (the first executor's or the staged executor's)."""
+    b = before.get("data", {})
+    if not b.get("runs"):
+        return []
+    staged = any("unlimited" in x for run in b["runs"] for x in run["rows"])
+    L = [f"### Before: {'the staged executor' if staged else 'the first executor'}'s sweep *(from "
+         f"{before.get('file')}, {before.get('date')}; replaced by the tables above)*", ""]
+    if not staged:
+        L += ["Default = no staging limit (then the only behaviour); *chunked* = `staging_limit_bytes` = 10 % of a layer.", ""]
+    L += ["| model | live tokens | pairs | GB/s median (min–max) | % d2d median | hbm % median | "
+          "peak/layer max (default) | reference GB/s median |",
+          "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for run in b["runs"]:
+        rows = run["rows"]
+        if not rows:
+            continue
+        g = [x["GBps"] for x in rows]
+        ref = [x["reference"]["GBps"] for x in rows if "reference" in x]
+        L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {statistics.median(g):.0f} "
+                 f"({min(g):.0f}–{max(g):.0f}) | {fmt(statistics.median(x.get('pct_of_d2d', 0) for x in rows))} | "
+                 f"{fmt(statistics.median(x.get('hbm_pct_of_d2d', 0) for x in rows))} | "
+                 f"{max(_peak_of(x['peak']) for x in rows):.2f} | "
+                 f"{fmt(statistics.median(ref) if ref else None, '{:.0f}')} |")
+    bt = kv_targets(b)
+    if bt.get("kv_pct_of_d2d"):
+        L += ["", f"Then: {bt['kv_pct_of_d2d']['median_ge_50k_tokens']:.1f} % of d2d (median, ≥ 50 k tokens), "
+              f"hbm {bt['kv_hbm_pct_of_d2d']['median_ge_50k_tokens']:.1f} %."]
+    L.append("")
     return L
 
 
@@ -1296,7 +1584,14 @@ def run_all(args) -> dict:
     report["ceilings"] = measure_ceilings(dev, args.small)
     log("[ceilings] " + ", ".join(f"{k}={v:.1f}" for k, v in report["ceilings"].items() if k != "bytes"))
     save()
-    only = set(args.only.split(",")) if args.only else {"ops", "reload", "overlap", "kv"}
+    only = set(args.only.split(",")) if args.only else {"selfcheck", "ops", "reload", "overlap", "kv"}
+    if "selfcheck" in only:
+        try:
+            report["kv_selfcheck"] = direct_selfcheck(dev, streams, small=args.small)
+        except Exception as exc:  # noqa: BLE001
+            report["kv_selfcheck"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            log(f"[kv selfcheck] FAILED: {exc!r}")
+        save()
     if "ops" in only:
         try:
             report["kv_ops"] = bench_kv_ops(models[list(models)[-1]], dev, args)
@@ -1352,6 +1647,10 @@ def run_all(args) -> dict:
     return report
 
 
+_SECTIONS = (("selfcheck", "kv_selfcheck"), ("ops", "kv_ops"), ("reload", "reload"), ("overlap", "overlap"),
+             ("kv", "kv"))
+
+
 def merge_reports(paths: list[str], out: Path) -> dict:
     """One report from several runs (e.g. a full run, then ``--only ops,overlap`` after a fix):
     each later run's sections replace the earlier's; the runs are listed under ``runs``."""
@@ -1359,8 +1658,7 @@ def merge_reports(paths: list[str], out: Path) -> dict:
     runs = []
     for p in paths:
         rep = json.loads(Path(p).read_text())
-        secs = [sec for sec, key in (("ops", "kv_ops"), ("reload", "reload"), ("overlap", "overlap"),
-                                     ("kv", "kv")) if key in rep]
+        secs = [sec for sec, key in _SECTIONS if key in rep]
         runs.append({"file": Path(p).name, "date": rep["date"], "sections": ["ceilings"] + secs,
                      "wall_seconds": rep.get("wall_seconds"), "ceilings": rep.get("ceilings")})
         src = {"file": Path(p).name, "date": rep["date"]}
@@ -1369,7 +1667,7 @@ def merge_reports(paths: list[str], out: Path) -> dict:
             merged.pop("superseded", None)
             merged["sources"] = {sec: src for sec in secs}
             continue
-        for sec, key in (("ops", "kv_ops"), ("reload", "reload"), ("overlap", "overlap"), ("kv", "kv")):
+        for sec, key in _SECTIONS:
             if sec in secs and key in rep:
                 if key in merged:  # keep what a later run replaces (before/after tables), oldest first
                     merged.setdefault("superseded", {}).setdefault(sec, []).append(
@@ -1400,11 +1698,12 @@ def parse_args(argv=None):
     ap.add_argument("--kv-plan", default=None,
                     help="model index:live tokens:all|x8, comma-separated, in priority order "
                          "(default: " + DEFAULT_PLAN + "; with --small: " + SMALL_PLAN + ")")
-    ap.add_argument("--kv-variants", default="unlimited,reference",
-                    help="besides the default executor: unlimited (no staging limit), reference (first executor)")
+    ap.add_argument("--kv-variants", default="unlimited,reference,direct",
+                    help="besides the default (staged) executor: unlimited (no staging limit), reference "
+                         "(first executor), direct (the single-pass peer-access path)")
     ap.add_argument("--overlap-tokens", type=int, default=50000)
     ap.add_argument("--small-tokens", type=int, default=300)
-    ap.add_argument("--only", default=None, help="comma list of sections: ops,reload,overlap,kv "
+    ap.add_argument("--only", default=None, help="comma list of sections: selfcheck,ops,reload,overlap,kv "
                                                 "(ceilings always run; default all)")
     ap.add_argument("--ops-tokens", type=int, default=100000, help="live tokens of the KV op microbench")
     a = ap.parse_args(argv)

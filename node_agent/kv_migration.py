@@ -71,8 +71,8 @@ class PeerAccess(Protocol):
         """The caller's reads of ``src``'s ``layer`` are enqueued on its current stream: the last use."""
 
     def reclaim(self, layer: int) -> None:
-        """Blocks until every reader closed this rank's shared ``layer``; the caller's current stream
-        then runs after their reads, so the tensor may be freed."""
+        """Blocks until every reader closed this rank's shared ``layer``; the tensor may then be
+        freed: its memory is not reused before the readers' reads ran."""
 
 
 class TorchDistTransport:
@@ -174,7 +174,7 @@ class _Shared:
     def __init__(self, tensor: torch.Tensor, readers: int):
         self.tensor, self.readers = tensor, readers
         self.ready = _record_event(tensor)
-        self.closed: list = []  # one entry (an event on CUDA, else None) per reader done
+        self.closed: list = []  # one entry (the reader's current stream on CUDA, else None) per reader done
 
 
 def _record_event(t: torch.Tensor):
@@ -221,7 +221,7 @@ class _LocalEndpoint:
     def close(self, layer, src):
         with self.hub._changed:
             sh = self.hub._shared[(src, layer)]
-            sh.closed.append(_record_event(sh.tensor))
+            sh.closed.append(torch.cuda.current_stream(sh.tensor.device) if sh.tensor.is_cuda else None)
             self.hub._changed.notify_all()
 
     def reclaim(self, layer):
@@ -230,9 +230,12 @@ class _LocalEndpoint:
             sh = self.hub._shared[key]
             self._wait_for(f"{sh.readers} readers of its layer {layer}", lambda: len(sh.closed) >= sh.readers)
             del self.hub._shared[key]
-        for ev in sh.closed:
-            if ev is not None:
-                torch.cuda.current_stream(sh.tensor.device).wait_event(ev)
+        if sh.tensor.is_cuda:
+            # the readers' streams: the caching allocator reuses the memory only after the work
+            # enqueued there so far (their reads) has run; the owner's stream is not held up
+            mine = torch.cuda.current_stream(sh.tensor.device)
+            for stream in {s for s in sh.closed if s != mine}:
+                sh.tensor.record_stream(stream)
 
     def isend(self, tensor, dst, tag):
         op = _LocalOp(tensor, (self.rank, dst, tag), True)
@@ -778,63 +781,71 @@ or ``"torch"`` (one strided copy per run of consecutive ids where there are at m
 
 def _migrate_direct(rank, old_layers, old_view, new_view, todo, by_layer, idmap, alloc_layer, peer,
                     stats, new_layers, done, fail_after_layers, baseline) -> None:
-    """The direct path of :func:`migrate_kv`: per layer, in the common layer order, every rank
-    that sends shares its old layer, every rank that receives pulls all its slices (local ones
-    too) from the source tensors into its new layer, closes what it opened, and a rank that
-    shared waits until its readers are done before it releases the old layer."""
+    """The direct path of :func:`migrate_kv`. First every old layer of this rank that peers read
+    is shared (all at once: a reader never waits for its source to reach a layer, so ranks do
+    not advance in lock-step); then, layer by layer in the common layer order, a rank that
+    receives allocates its new layer and pulls all its slices (local ones too) from the source
+    tensors into it, closes what it opened, and a rank whose layer is read waits until its readers
+    are done before it releases that old layer (the memory bound: the same release points as the
+    staged path)."""
     n_ids = idmap.n
     kernels: set[str] = set()
-    for n_done, layer in enumerate(todo):
+    steps = []
+    for layer in todo:
+        slices = by_layer[layer]
+        incoming = [(s.src, old_view.local_head(s.head_start), new_view.local_head(s.head_start), s.heads)
+                    for s in slices if s.dst == rank]
+        outgoing = [s for s in slices if s.src == rank and s.dst != rank]
+        steps.append((layer, incoming, len({s.dst for s in outgoing}), sum(s.heads for s in outgoing)))
+    last = len(steps) if fail_after_layers is None else min(len(steps), fail_after_layers)
+    if n_ids:
+        for layer, incoming, readers, _ in steps[:last]:
+            needs_old = readers or any(src == rank for src, *_ in incoming)
+            if needs_old and layer not in old_layers:
+                raise RuntimeError(f"rank {rank}: the plan moves layer {layer} from it, but it holds no old layer {layer}")
+            if readers:
+                peer.share(layer, old_layers[layer], readers)
+    held = sum(_nbytes(t) for t in old_layers.values()) + sum(_nbytes(t) for t in new_layers.values())
+    per_block_head = None
+    for n_done, (layer, incoming, readers, out_heads) in enumerate(steps):
         if fail_after_layers is not None and n_done >= fail_after_layers:
             raise InjectedFault(f"injected fault in MIGRATE_KV after {n_done} layers")
         tl = time.perf_counter()
-        slices = by_layer[layer]
-        incoming = [s for s in slices if s.dst == rank]
         if incoming and layer not in new_layers:
             new_layers[layer] = alloc_layer(layer)
+            held += _nbytes(new_layers[layer])
         old_t = old_layers.get(layer)
         new_t = new_layers.get(layer)
-        outgoing = [s for s in slices if s.src == rank and s.dst != rank]
-        if n_ids and (incoming or outgoing):
-            if (outgoing or any(s.src == rank for s in incoming)) and old_t is None:
-                raise RuntimeError(f"rank {rank}: the plan moves layer {layer} from it, but it holds no old layer {layer}")
-            proto = old_t if old_t is not None else new_t
-            per_block_head = proto[0, 0].numel() * proto.element_size()
-            readers = len({s.dst for s in outgoing})
-            if readers:
-                peer.share(layer, old_t, readers)
-            if incoming:
-                idmap.check_pool(new_t.shape[0])
-                srcs: dict[int, torch.Tensor] = {}
-                try:
-                    for s in incoming:
-                        if s.src not in srcs:
-                            srcs[s.src] = old_t if s.src == rank else peer.open(layer, s.src)
-                    work = [(srcs[s.src], old_view.local_head(s.head_start), new_view.local_head(s.head_start),
-                             s.heads) for s in incoming]
-                    current = sum(_nbytes(t) for t in old_layers.values()) + sum(
-                        _nbytes(t) for t in new_layers.values()) - baseline
-                    kernel, temp = _pull(work, new_t, idmap)
-                    kernels.add(kernel)
-                    stats.peak_extra_bytes = max(stats.peak_extra_bytes, current + temp)
-                    del work
-                finally:  # also on error: a source must not wait for a reader that failed
-                    for src in srcs:
-                        if src != rank:
-                            peer.close(layer, src)
-                    srcs.clear()
-                for s in incoming:
-                    nb = s.heads * n_ids * per_block_head
-                    if s.src == rank:
-                        stats.bytes_copied_locally += nb
-                    else:
-                        stats.bytes_received += nb
-            if readers:
-                peer.reclaim(layer)
-                stats.bytes_sent += sum(s.heads for s in outgoing) * n_ids * per_block_head
-            del proto
-        old_layers.pop(layer, None)  # release the old layer as soon as its readers are done
-        del old_t, new_t
+        if per_block_head is None and (old_t is not None or new_t is not None):
+            shape, es = (old_t.shape, old_t.element_size()) if old_t is not None else (new_t.shape, new_t.element_size())
+            per_block_head = math.prod(shape[2:]) * es
+        if n_ids and incoming:
+            idmap.check_pool(new_t.shape[0])
+            srcs: dict[int, torch.Tensor] = {}
+            try:
+                for src, *_ in incoming:
+                    if src not in srcs:
+                        srcs[src] = old_t if src == rank else peer.open(layer, src)
+                kernel, temp = _pull([(srcs[src], lo_s, lo_d, h) for src, lo_s, lo_d, h in incoming], new_t, idmap)
+                kernels.add(kernel)
+                stats.peak_extra_bytes = max(stats.peak_extra_bytes, held - baseline + temp)
+            finally:  # also on error: a source must not wait for a reader that failed
+                opened = [src for src in srcs if src != rank]
+                srcs.clear()  # no reference left here once the source may free its layer
+                for src in opened:
+                    peer.close(layer, src)
+            for src, _, _, h in incoming:
+                if src == rank:
+                    stats.bytes_copied_locally += h * n_ids * per_block_head
+                else:
+                    stats.bytes_received += h * n_ids * per_block_head
+        if n_ids and readers:
+            peer.reclaim(layer)
+            stats.bytes_sent += out_heads * n_ids * per_block_head
+        gone = old_layers.pop(layer, None)  # release the old layer as soon as its readers are done
+        if gone is not None:
+            held -= _nbytes(gone)
+        del old_t, new_t, gone
         if done is not None:
             done.append(layer)
         stats.layers += 1
@@ -952,6 +963,8 @@ def _triton():
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NATIVE = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64)  # element types the kernel takes as they are (no arithmetic on them)
 
 
 def _rows(src_t: torch.Tensor, dst_t: torch.Tensor, heads: int):
@@ -1060,11 +1073,11 @@ def _pull_triton(work: list, new_t: torch.Tensor, idmap: _IdMap) -> bool:
                 _PLANS[sig] = plan
         if not plan:
             return False
-        srcs = [None] * _MAX_SOURCES
+        native = new_t.dtype in _NATIVE  # loaded and stored as raw bits either way
+        dst = new_t if native else new_t.view(plan.idt)
+        srcs = [dst] * _MAX_SOURCES
         for k, s, *_ in group:
-            srcs[k] = s.view(plan.idt)
-        dst = new_t.view(plan.idt)
-        srcs = [dst if s is None else s for s in srcs]
+            srcs[k] = s if native else s.view(plan.idt)
         launches.append((plan, dst, srcs, len(group)))
     for plan, dst, srcs, n_slices in launches:
         kernel[(idmap.n, n_slices)](dst, *srcs, plan.tab, plan.roff_s, plan.roff_d, sids, dids, **plan.meta)

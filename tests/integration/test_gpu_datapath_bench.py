@@ -37,14 +37,19 @@ def test_all_checks_pass(report):
     assert c["all_ok"], c
     assert c["reload_checks"] == 2 * 10  # two models × every TP×PP with TP·PP ≤ 8
     assert c["kv_directions_checked"] == 2 * 12  # two models × every ordered pair of the x8 set
-    # default executor, unlimited staging, and the first (reference) executor
-    assert c["kv_checks"] == 3 * c["kv_directions_checked"]
+    # default (staged) executor, unlimited staging, the first (reference) executor, the direct path
+    assert c["kv_checks"] == 4 * c["kv_directions_checked"]
+    assert c["kv_ops_direct_ok"]
     for run in rep["kv"]["runs"]:
-        assert not run["skipped"]
+        assert not run["skipped"] and not run["errors"]
         for row in run["rows"]:
-            assert row["ok"] and row["ok_unlimited"] and row["ok_reference"], row
+            assert row["ok"] and row["ok_unlimited"] and row["ok_reference"] and row["ok_direct"], row
             assert row["bytes_moved"] > 0
-            assert row["reference"]["GBps"] > 0 and row["unlimited"]["GBps"] > 0
+            assert row["reference"]["GBps"] > 0 and row["unlimited"]["GBps"] > 0 and row["direct"]["GBps"] > 0
+            d = row["direct"]
+            assert d["kernel"] == "torch"  # CPU: the torch ops (the Triton kernel runs on CUDA)
+            assert d["hbm_copy_GBps"] == d["GBps"]  # one pass
+            assert d["peak"]["executor_max_rank_vs_layer"] <= 1.10
 
 
 def test_json_and_markdown_written(report):
@@ -62,11 +67,15 @@ def test_json_and_markdown_written(report):
         assert all(r["ok"] and r["bytes"] > 0 for r in rows)
         assert model["baseline_remp_shm"]["ok"]
     row = data["kv"]["runs"][0]["rows"][0]
-    for key in ("old", "new", "seconds", "GBps", "bytes_moved", "peak", "unlimited", "reference", "pct_of_d2d"):
+    for key in ("old", "new", "seconds", "GBps", "bytes_moved", "peak", "unlimited", "reference", "direct",
+                "pct_of_d2d"):
         assert key in row, key
+    assert "kv_direct_pct_of_d2d" in data["targets"] and "peak_extra_direct_vs_one_layer" in data["targets"]
+    assert data["kv_ops"]["direct"]["ok"]
     assert data["overlap"]["ok"]
     md = (out / "gpu_datapath_cpu.md").read_text()
     assert "## Shard reload" in md and "## KV migration" in md and "## Overlap" in md
+    assert "direct GB/s" in md
 
 
 def test_shard_pieces_cover_every_weight_once():
