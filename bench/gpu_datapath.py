@@ -569,6 +569,7 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
     if cuda:
         torch.cuda.reset_peak_memory_stats(case.dev)
         base = torch.cuda.memory_allocated(case.dev)
+        ms0 = torch.cuda.memory_stats(case.dev)
     if trace:
         trace.start()
     threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
@@ -602,6 +603,10 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
                 for r, s in enumerate(stats)]}
     if cuda:
         info["global_peak_extra_bytes"] = torch.cuda.max_memory_allocated(case.dev) - base
+        ms1 = torch.cuda.memory_stats(case.dev)
+        # the caching allocator during the leg: cudaMalloc / cudaFree calls, cache flushes (retries)
+        info["allocator"] = {k: ms1.get(k, 0) - ms0.get(k, 0) for k in
+                             ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
     if per_rank_peak is not None:
         info["rank_peak_extra_bytes"] = per_rank_peak
     return new_layers, info
@@ -657,6 +662,7 @@ def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "refer
             extra[key]["direct"] = {"seconds": timed["seconds"], "GBps": timed["GBps"],
                                     "hbm_copy_GBps": timed["hbm_copy_GBps"], "peak": _peaks(case, checked),
                                     "host_cpu_s_sum": timed["host_cpu_s_sum"], "host_cpu_s_max": timed["host_cpu_s_max"],
+                                    "allocator": timed.get("allocator"),
                                     "seconds_poisoned": checked["seconds"], "kernel": timed["kernel"], "ok": ok}
             rec[key]["ok_direct"] = ok
     legs = {(A, B): (i3, i1), (B, A): (i2, i4)}
@@ -665,6 +671,7 @@ def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "refer
     for key, (timed, checked) in legs.items():
         r = rec[key]
         r.update(seconds=timed["seconds"], bytes_moved=timed["bytes_moved"], host_cpu_s_sum=timed["host_cpu_s_sum"],
+                 allocator=timed.get("allocator"),
                  bytes_remote=timed["bytes_remote"], bytes_local=timed["bytes_local"],
                  GBps=timed["GBps"], hbm_copy_GBps=timed["hbm_copy_GBps"],
                  seconds_poisoned=checked["seconds"], staging="auto")
@@ -734,7 +741,8 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
                 log(f"  {r['old']:>7}→{r['new']:<7} {r['bytes_moved'] / GB:7.2f} GB"
                     f" direct {di.get('seconds', float('nan')) * 1e3:7.1f} ms {di.get('GBps', float('nan')):7.1f} GB/s"
                     f" ({di.get('pct_of_d2d', float('nan')):4.1f}% d2d) peak {_peak_of(di['peak']) if di else float('nan'):.2f}"
-                    f" [{di.get('kernel')}, host {di.get('host_cpu_s_sum', float('nan')) * 1e3:.0f} ms]; staged {r['seconds'] * 1e3:7.1f} ms {r['GBps']:6.1f} GB/s"
+                    f" [{di.get('kernel')}, host {di.get('host_cpu_s_sum', float('nan')) * 1e3:.0f} ms,"
+                    f" alloc {(di.get('allocator') or {}).get('num_device_alloc')}/{(di.get('allocator') or {}).get('num_alloc_retries')}]; staged {r['seconds'] * 1e3:7.1f} ms {r['GBps']:6.1f} GB/s"
                     f" ({r.get('pct_of_d2d', 0):4.1f}%) peak {_peak_of(pk):.2f};"
                     f" unlimited {un.get('GBps', float('nan')):6.1f}; reference {ref.get('GBps', float('nan')):6.1f} GB/s"
                     f" ok={r['ok']}/{r.get('ok_unlimited')}/{r.get('ok_reference')}/{r.get('ok_direct')}")
