@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from remp.topology import Topology, format_topologies
 from remp.transaction import Phase, fault_injectable_phases
 
 from node_agent.config import ResolvedAgentConfig
+from node_agent.migration import MigrationState
 from node_agent.switch import SwitchEvent, SwitchRecord, run_switch
 from node_agent.weight_store import WeightStore
 
@@ -71,6 +73,32 @@ class NodeAgent:
         self.current: SwitchRecord | None = None
         self.last_epoch = 0
         self.block_size = 0
+        self.state_dir = ""
+        self.migration = MigrationState(
+            bandwidth_limit_bps=cfg.settings.migration_bandwidth_limit,
+            max_concurrent=cfg.settings.max_concurrent_migrations)
+        self._exclusive: str | None = None  # what holds the engine besides a switch
+
+    def require_serving(self) -> None:
+        if not self.cfg.settings.request_migration:
+            raise FailedPrecondition("request migration is disabled on this agent "
+                                     "(--no-request-migration)")
+        if self.status not in ("serving", "switching") or self.engine is None:
+            raise FailedPrecondition(f"engine is {self.status}, not serving")
+
+    @contextlib.asynccontextmanager
+    async def engine_exclusive(self, what: str = "a request migration"):
+        """Work that pauses the engine outside a switch (request export): never concurrently
+        with a switch or with another such pause."""
+        if self.current is not None:
+            raise FailedPrecondition(f"switch {self.current.switch_id} is running")
+        if self._exclusive is not None:
+            raise FailedPrecondition(f"the engine is paused for {self._exclusive}")
+        self._exclusive = what
+        try:
+            yield
+        finally:
+            self._exclusive = None
 
     # ------------------------------------------------------------------ switches
 
@@ -164,6 +192,8 @@ class NodeAgent:
         if self.current is not None:
             raise FailedPrecondition(f"switch {self.current.switch_id} is running "
                                      f"({self.current.from_topology} → {self.current.to_topology})")
+        if self._exclusive is not None:
+            raise FailedPrecondition(f"the engine is paused for {self._exclusive}; retry")
         if self.status != "serving":
             raise FailedPrecondition(f"engine is {self.status}, not serving")
         if epoch and epoch < self.last_epoch:
@@ -278,6 +308,11 @@ async def run(cfg: ResolvedAgentConfig) -> int:
     http_sock = bind_http(s.host, s.http_port)
     http_port = http_sock.getsockname()[1]
     agent = NodeAgent(cfg, f"http://{s.host}:{http_port}")
+    agent.state_dir = state_dir
+    if s.prefill_table:
+        from remp.recovery import PrefillTable
+
+        agent.migration.prefill = PrefillTable.loads(Path(s.prefill_table).read_text())
     metrics.agent()  # remp_agent_* families on vLLM's /metrics (default registry) from the start
     tls = ServerTls(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
     server, health, grpc_port = make_server([SERVICE_NAME], s.host, s.grpc_port, tls=tls)
@@ -301,7 +336,7 @@ async def run(cfg: ResolvedAgentConfig) -> int:
             max_num_batched_tokens=s.max_num_batched_tokens, enforce_eager=s.enforce_eager,
             seed=s.seed, served_model_name=s.served_model_name or Path(cfg.model.path).name,
             host=s.host, http_port=http_port, gpu_memory_utilization=s.gpu_memory_utilization,
-            extra_args=s.extra_vllm_args,
+            extra_args=s.extra_vllm_args, request_migration=s.request_migration,
         )
     )
     agent.engine = handle

@@ -58,6 +58,14 @@ class AgentSettings(BaseSettings):
     state_dir: Path | None = Field(None, description="caches and sockets; default a temp dir")
     weight_store_root: Path = Field(Path("/dev/shm"), description="host shared-memory weight store")
     switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
+    request_migration: bool = Field(
+        True, description="accept and send running requests to other agents (installs the "
+        "remp import KV connector in vLLM)")
+    prefill_table: Path | None = Field(
+        None, description="measured prefill times (remp profile) for migrate-vs-recompute")
+    migration_bandwidth_limit: float = Field(
+        0.0, ge=0, description="throttle request migrations to this many bytes/s (0: none)")
+    max_concurrent_migrations: int = Field(32, ge=1)
     world_changes: bool = Field(
         True, description="allow switches that change the number of active workers: the engine "
         "starts the largest candidate world size and workers outside the active topology stay "

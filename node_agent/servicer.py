@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
+from remp import logs
 from remp.errors import InvalidArgument, NotFound
 from remp.grpc_util import rpc_errors, rpc_errors_stream
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
 
-from node_agent import convert
+from node_agent import convert, migration
 from node_agent.agent import NodeAgent
+
+log = logs.get_logger("remp.node_agent")
 
 
 class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
@@ -22,6 +27,7 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
 
     @rpc_errors_stream
     async def ExecuteSwitch(self, request, context):
+        rpc_in = time.time()
         if not request.HasField("target"):
             raise InvalidArgument("target is required, e.g. {\"target\": {\"tp\": 1, \"pp\": 2}}")
         try:
@@ -35,7 +41,14 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
             skip_kv=request.test_skip_kv_migration,
             start_when_running=request.test_start_when_running)
         async for ev in events:
-            yield convert.event_to_proto(ev)
+            msg = convert.event_to_proto(ev)
+            if ev.record is not None:
+                # where the time between the controller's call and the engine's work went
+                r = ev.record
+                log.info("agent.switch_streamed", switch_id=r.switch_id, rpc_in=round(rpc_in, 6),
+                         started=round(r.started_wall, 6), finished=round(r.finished_wall, 6),
+                         final_out=round(time.time(), 6))
+            yield msg
 
     @rpc_errors
     async def AbortSwitch(self, request, context):
@@ -50,6 +63,29 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
         if rec is None:
             raise NotFound(f"no switch with id {request.switch_id!r} on this node")
         return node_agent_pb2.GetSwitchResponse(record=convert.record_to_proto(rec))
+
+
+    @rpc_errors
+    async def ListRequests(self, request, context):
+        reqs = await self.agent.engine.list_requests() if self.agent.engine else []
+        return node_agent_pb2.ListRequestsResponse(requests=[
+            node_agent_pb2.RequestInfo(request_id=r["request_id"], status=r["status"],
+                                       prompt_tokens=r["prompt_tokens"],
+                                       output_tokens=r["output_tokens"],
+                                       max_tokens=r["max_tokens"], blocks=r["blocks"])
+            for r in reqs])
+
+    @rpc_errors_stream
+    async def MigrateRequest(self, request, context):
+        self.agent.require_serving()
+        async for ev in migration.migrate_out(self.agent, request):
+            yield ev
+
+    @rpc_errors_stream
+    async def ImportRequest(self, request_iterator, context):
+        self.agent.require_serving()
+        async for ev in migration.import_in(self.agent, request_iterator):
+            yield ev
 
 
 def add_to_server(servicer: NodeAgentServicer, server: grpc.aio.Server) -> None:

@@ -199,6 +199,7 @@ class EngineSpec:
     http_port: int
     gpu_memory_utilization: float
     extra_args: list[str]
+    request_migration: bool = False  # install the remp import connector (cross-host migration)
 
     def cli_args(self) -> list[str]:
         args = [
@@ -222,6 +223,12 @@ class EngineSpec:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.request_migration:
+            import json
+
+            from node_agent.engine_plugin.connector import kv_transfer_config
+
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config())]
         return args + list(self.extra_args)
 
 
@@ -344,6 +351,63 @@ class EngineHandle:
 
     async def engine_info(self) -> dict:
         return await self.utility("remp_engine_info")
+
+    async def list_requests(self) -> list[dict]:
+        return await self.utility("remp_list_requests")
+
+    async def export_request(self, request_id: str, workdir: str, with_kv: bool) -> dict:
+        """Take one running request out of this engine: pause, export its state (and, with_kv,
+        its KV as one payload file in ``workdir``), abort it here, resume. Returns the state;
+        ``state["payload"]`` is the KV file (per global layer ``L<i>``: its blocks × all KV
+        heads). The caller serialises engine-exclusive work (switches)."""
+        import time
+
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        prefix = os.path.join(workdir, f"export-{request_id}")
+        t0 = time.perf_counter()
+        await self.pause()
+        try:
+            state = await self.utility("remp_export_request", request_id, prefix, with_kv)
+            await self.engine.abort(request_id, internal=True)
+        finally:
+            await self.resume()
+        state["paused_seconds"] = time.perf_counter() - t0
+        if with_kv:
+            import torch
+
+            parts: dict[int, list] = {}
+            for f in state["files"]:
+                with safe_open(f, framework="pt") as st:
+                    for key in st.keys():
+                        layer, head = key[1:].split(".h")
+                        parts.setdefault(int(layer), []).append((int(head), st.get_tensor(key)))
+                os.unlink(f)
+            merged = {f"L{ly}": torch.cat([t for _, t in sorted(p, key=lambda x: x[0])], dim=1)
+                      for ly, p in parts.items()}
+            state["payload"] = prefix + ".safetensors"
+            save_file(merged, state["payload"])
+            state["kv_bytes"] = os.path.getsize(state["payload"])
+        return state
+
+    async def import_request(self, request_id: str, prompt_token_ids: list[int],
+                             output_token_ids: list[int], max_tokens: int, temperature: float,
+                             ignore_eos: bool, payload: str | None):
+        """Continue a request that started elsewhere: prompt + tokens generated there, the rest
+        of its token budget; with ``payload`` its KV is loaded (every token but the last) by the
+        remp import connector, otherwise everything is prefilled again (recompute). Yields
+        vLLM RequestOutputs."""
+        from vllm import SamplingParams
+
+        tokens = list(prompt_token_ids) + list(output_token_ids)
+        extra = ({"kv_transfer_params": {"remp_import": payload, "tokens": len(tokens) - 1}}
+                 if payload else None)
+        params = SamplingParams(max_tokens=max(1, max_tokens - len(output_token_ids)),
+                                temperature=temperature, ignore_eos=ignore_eos, extra_args=extra)
+        async for out in self.engine.generate({"prompt_token_ids": tokens}, params,
+                                              request_id=request_id):
+            yield out
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -313,7 +313,54 @@ def _remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> lis
     return _rpc(self, "remp_setup", candidates, store_path)
 
 
+def _remp_list_requests(self) -> list[dict]:
+    """The running and waiting requests (internal ids), with their token counts."""
+    out = []
+    for r in [*self.scheduler.running, *self.scheduler.waiting]:
+        out.append({"request_id": r.request_id, "status": str(r.status.name),
+                    "prompt_tokens": len(r.prompt_token_ids or []),
+                    "output_tokens": r.num_output_tokens,
+                    "computed_tokens": r.num_computed_tokens,
+                    "max_tokens": getattr(r, "max_tokens", 0) or 0,
+                    "blocks": len(_request_blocks(self, r)) if r.status.name == "RUNNING" else 0})
+    return out
+
+
+def _remp_export_request(self, request_id: str, prefix: str, with_kv: bool) -> dict:
+    """A running request's state (and, ``with_kv``, its KV: every rank writes its layers / KV
+    heads of the request's blocks to ``prefix``.rank<r>). Call while generation is paused: the
+    KV then covers every token but the last sampled one, which the importer computes."""
+    sched = self.scheduler
+    req = sched.requests.get(request_id)
+    if req is None:
+        raise KeyError(f"no request {request_id!r} in the engine")
+    if req.status.name != "RUNNING":
+        raise RuntimeError(f"request {request_id} is {req.status.name}, not RUNNING")
+    prompt = list(req.prompt_token_ids or [])
+    outputs = list(req.output_token_ids)
+    tokens = len(prompt) + len(outputs)
+    if req.num_computed_tokens != tokens - 1:
+        raise RuntimeError(f"request {request_id}: {req.num_computed_tokens} of {tokens} tokens "
+                           "computed; export needs a paused engine (all but the last)")
+    sp = req.sampling_params
+    state = {"request_id": request_id, "prompt_token_ids": prompt, "output_token_ids": outputs,
+             "computed_tokens": req.num_computed_tokens,
+             "max_tokens": getattr(req, "max_tokens", 0) or 0,
+             "temperature": sp.temperature if sp else 0.0,
+             "ignore_eos": bool(sp.ignore_eos) if sp else False,
+             "block_size": self.vllm_config.cache_config.block_size, "files": []}
+    if with_kv:
+        ids = _request_blocks(self, req)
+        res = _rpc(self, "remp_export_kv", ids, prefix)
+        state["files"] = [r["file"] for r in res if r.get("file")]
+        state["kv_bytes"] = sum(r.get("bytes", 0) for r in res)
+        state["blocks"] = len(ids)
+    return state
+
+
 UTILITIES = {
+    "remp_list_requests": _remp_list_requests,
+    "remp_export_request": _remp_export_request,
     "remp_engine_info": _remp_engine_info,
     "remp_missing_internals": _remp_missing_internals,
     "remp_setup": _remp_setup,

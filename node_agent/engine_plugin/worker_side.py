@@ -475,6 +475,27 @@ class RempWorkerExtension:
         runner = self.model_runner
         return {} if _is_standby(runner) else dict(runner.requests)
 
+    @_reported
+    def remp_export_kv(self, block_ids: list[int], prefix: str) -> dict:
+        """This rank's part of one request's KV (its layers × its KV heads of ``block_ids``) to
+        ``prefix``.rank<r> (safetensors; key ``L<layer>.h<first head>``)."""
+        from safetensors.torch import save_file
+        from vllm.distributed import parallel_state as ps
+
+        if _is_standby(self.model_runner):
+            return {"rank": self.rank}
+        layers, _ = _kv_by_global_layer(self.model_runner,
+                                        self.vllm_config.compilation_config.static_forward_context)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        out = {}
+        for ly, t in layers.items():
+            lo = ps.get_tensor_model_parallel_rank() * t.shape[1]
+            out[f"L{ly}.h{lo}"] = t.index_select(0, ids.to(t.device)).cpu().contiguous()
+        path = f"{prefix}.rank{self.rank}"
+        save_file(out, path)
+        return {"rank": self.rank, "file": path,
+                "bytes": sum(v.numel() * v.element_size() for v in out.values())}
+
     def remp_sw_moved(self) -> list[int]:
         return list(self._remp.moved)
 

@@ -1,11 +1,166 @@
 from remp.common.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RecoveryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECOVERY_MODE_AUTO: _ClassVar[RecoveryMode]
+    RECOVERY_MODE_MIGRATE: _ClassVar[RecoveryMode]
+    RECOVERY_MODE_RECOMPUTE: _ClassVar[RecoveryMode]
+
+class RecoveryAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECOVERY_ACTION_UNSPECIFIED: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_MIGRATE: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_RECOMPUTE: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_ABORT: _ClassVar[RecoveryAction]
+RECOVERY_MODE_AUTO: RecoveryMode
+RECOVERY_MODE_MIGRATE: RecoveryMode
+RECOVERY_MODE_RECOMPUTE: RecoveryMode
+RECOVERY_ACTION_UNSPECIFIED: RecoveryAction
+RECOVERY_ACTION_MIGRATE: RecoveryAction
+RECOVERY_ACTION_RECOMPUTE: RecoveryAction
+RECOVERY_ACTION_ABORT: RecoveryAction
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "status", "prompt_tokens", "output_tokens", "max_tokens", "blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+
+class RecoveryDecision(_message.Message):
+    __slots__ = ("request_id", "action", "reason", "migrate_seconds", "recompute_seconds", "bandwidth_bps", "kv_bytes", "tokens", "retry_after_seconds", "source_node", "target_node", "detail")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    action: RecoveryAction
+    reason: str
+    migrate_seconds: float
+    recompute_seconds: float
+    bandwidth_bps: float
+    kv_bytes: int
+    tokens: int
+    retry_after_seconds: int
+    source_node: str
+    target_node: str
+    detail: str
+    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[RecoveryAction, str]] = ..., reason: _Optional[str] = ..., migrate_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., retry_after_seconds: _Optional[int] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class MigrateRequestRequest(_message.Message):
+    __slots__ = ("request_id", "target_address", "mode", "bandwidth_limit_bps", "slo_budget_seconds", "target_node", "test_poison_kv", "test_wait_output_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_LIMIT_BPS_FIELD_NUMBER: _ClassVar[int]
+    SLO_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    TEST_POISON_KV_FIELD_NUMBER: _ClassVar[int]
+    TEST_WAIT_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target_address: str
+    mode: RecoveryMode
+    bandwidth_limit_bps: float
+    slo_budget_seconds: float
+    target_node: str
+    test_poison_kv: bool
+    test_wait_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ..., mode: _Optional[_Union[RecoveryMode, str]] = ..., bandwidth_limit_bps: _Optional[float] = ..., slo_budget_seconds: _Optional[float] = ..., target_node: _Optional[str] = ..., test_poison_kv: _Optional[bool] = ..., test_wait_output_tokens: _Optional[int] = ...) -> None: ...
+
+class MigrateRequestEvent(_message.Message):
+    __slots__ = ("decision", "token_ids", "text", "finished", "finish_reason", "transfer_seconds", "export_seconds")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    decision: RecoveryDecision
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    transfer_seconds: float
+    export_seconds: float
+    def __init__(self, decision: _Optional[_Union[RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ...) -> None: ...
+
+class ImportHeader(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos", "kv_bytes", "block_size")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    temperature: float
+    ignore_eos: bool
+    kv_bytes: int
+    block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ImportChunk(_message.Message):
+    __slots__ = ("header", "kv")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    header: ImportHeader
+    kv: bytes
+    def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., kv: _Optional[bytes] = ...) -> None: ...
+
+class ImportEvent(_message.Message):
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "loaded_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    loaded_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -54,6 +54,21 @@ class NodeAgentStub:
                 request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchRequest.SerializeToString,
                 response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/remp.node_agent.v1.NodeAgent/ListRequests',
+                request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.MigrateRequest = channel.unary_stream(
+                '/remp.node_agent.v1.NodeAgent/MigrateRequest',
+                request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.MigrateRequestRequest.SerializeToString,
+                response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.MigrateRequestEvent.FromString,
+                _registered_method=True)
+        self.ImportRequest = channel.stream_stream(
+                '/remp.node_agent.v1.NodeAgent/ImportRequest',
+                request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportChunk.SerializeToString,
+                response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportEvent.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -90,6 +105,34 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """Requests in the engine (internal ids), running and waiting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateRequest(self, request, context):
+        """Move one running request to another node agent (the source side): pause the engine for a
+        moment, decide MIGRATE (send its KV) or RECOMPUTE (re-prefill on the target) by the cost
+        model unless the mode forces one, take the request out of this engine, resume, hand it to
+        the target's ImportRequest and relay its continuation. The first event carries the
+        decision; an ABORT decision (SLO infeasible) ends the stream with it. NOT_FOUND for an
+        unknown request, FAILED_PRECONDITION while a switch runs or when it is not running,
+        UNAVAILABLE when the target cannot be reached (the request then stays here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRequest(self, request_iterator, context):
+        """The target side: a header (request state), then the KV payload in chunks (MIGRATE) or
+        nothing (RECOMPUTE); the request continues in this engine and its tokens stream back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +155,21 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GetSwitch,
                     request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchRequest.FromString,
                     response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ListRequestsRequest.FromString,
+                    response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'MigrateRequest': grpc.unary_stream_rpc_method_handler(
+                    servicer.MigrateRequest,
+                    request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.MigrateRequestRequest.FromString,
+                    response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.MigrateRequestEvent.SerializeToString,
+            ),
+            'ImportRequest': grpc.stream_stream_rpc_method_handler(
+                    servicer.ImportRequest,
+                    request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportChunk.FromString,
+                    response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +280,87 @@ class NodeAgent:
             '/remp.node_agent.v1.NodeAgent/GetSwitch',
             remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchRequest.SerializeToString,
             remp_dot_node__agent_dot_v1_dot_node__agent__pb2.GetSwitchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.node_agent.v1.NodeAgent/ListRequests',
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ListRequestsRequest.SerializeToString,
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/remp.node_agent.v1.NodeAgent/MigrateRequest',
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.MigrateRequestRequest.SerializeToString,
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.MigrateRequestEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportRequest(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/remp.node_agent.v1.NodeAgent/ImportRequest',
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportChunk.SerializeToString,
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportEvent.FromString,
             options,
             channel_credentials,
             insecure,

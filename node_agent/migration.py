@@ -1,0 +1,237 @@
+"""Cross-host request migration between node agents (the agent side; decisions are pure, in
+:mod:`remp.recovery`).
+
+Source (``migrate_out``): decide MIGRATE / RECOMPUTE / ABORT for the request from measured costs
+(bandwidth EWMA per target, throttle, prefill table), take it out of the engine (a short pause),
+send it to the target's ``ImportRequest`` — state, plus the KV payload when migrating — and relay
+the continuation. Target (``import_in``): write the payload, continue the request in its engine
+(the remp import connector loads the KV), stream the tokens back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from remp import logs
+from remp.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from remp.node_agent.v1 import node_agent_pb2 as pb
+from remp.node_agent.v1 import node_agent_pb2_grpc
+from remp.recovery import (Action, BandwidthEstimator, DisplacedRequest, PrefillTable,
+                           RecoveryConfig, decide)
+
+log = logs.get_logger("remp.node_agent.migration")
+CHUNK = 256 * 1024
+ACTIONS = {Action.MIGRATE: pb.RECOVERY_ACTION_MIGRATE, Action.RECOMPUTE: pb.RECOVERY_ACTION_RECOMPUTE,
+           Action.ABORT: pb.RECOVERY_ACTION_ABORT}
+
+
+@dataclass
+class MigrationState:
+    """What the agent keeps between migrations: the bandwidth it measured per target and the
+    prefill table it decides with."""
+
+    bandwidth: BandwidthEstimator = field(default_factory=BandwidthEstimator)
+    prefill: PrefillTable | None = None
+    bandwidth_limit_bps: float = 0.0
+    max_concurrent: int = 32
+    active: int = 0
+
+
+def kv_bytes_estimate(blocks: int, shape, block_size: int, dtype_bytes: int) -> int:
+    """A request's KV over every layer and KV head (what a MIGRATE sends)."""
+    return blocks * shape.num_layers * shape.num_kv_heads * block_size * 2 * shape.head_size * dtype_bytes
+
+
+def decide_one(st: MigrationState, info: dict, kv_bytes: int, mode: int, limit_bps: float,
+               budget_s: float | None, src: str, dst: str) -> pb.RecoveryDecision:
+    tokens = info["prompt_tokens"] + info["output_tokens"]
+    req = DisplacedRequest(info["request_id"], kv_bytes, tokens, budget_s=budget_s,
+                           remaining_tokens=max(0, info["max_tokens"] - info["output_tokens"]),
+                           src=src, dst=dst)
+    cap = limit_bps or st.bandwidth_limit_bps or None
+    prefill = st.prefill or PrefillTable.fit([(1, 0.0), (2, 0.0)])
+    d = decide([req], prefill, st.bandwidth, RecoveryConfig(
+        max_concurrent_migrations=st.max_concurrent, bandwidth_cap_bps=cap),
+        busy_slots=[1.0] * st.active)[0]
+    action, reason = d.action, d.reason.value
+    if mode == pb.RECOVERY_MODE_MIGRATE and action is not Action.ABORT:
+        action, reason = Action.MIGRATE, "forced_migrate"
+    elif mode == pb.RECOVERY_MODE_RECOMPUTE and action is not Action.ABORT:
+        action, reason = Action.RECOMPUTE, "forced_recompute"
+    elif st.prefill is None and action is Action.RECOMPUTE:
+        action, reason = Action.MIGRATE, "no_prefill_table"
+    return pb.RecoveryDecision(
+        request_id=info["request_id"], action=ACTIONS[action], reason=reason,
+        migrate_seconds=d.migrate_s, recompute_seconds=d.recompute_s,
+        bandwidth_bps=d.bandwidth_bps, kv_bytes=kv_bytes, tokens=tokens,
+        retry_after_seconds=d.retry_after_s or 0, source_node=src, target_node=dst,
+        detail=d.detail)
+
+
+async def _throttled(chunks: list[bytes], header: pb.ImportHeader, rate_bps: float,
+                     ) -> AsyncIterator[pb.ImportChunk]:
+    yield pb.ImportChunk(header=header)
+    t0, sent = time.perf_counter(), 0
+    for c in chunks:
+        if rate_bps:
+            ahead = sent / rate_bps - (time.perf_counter() - t0)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        sent += len(c)
+        yield pb.ImportChunk(kv=c)
+
+
+async def _wait_for_request(agent, rid: str, tokens: int, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in await agent.engine.list_requests():
+            if r["status"] == "RUNNING" and r["output_tokens"] >= tokens and rid in ("", r["request_id"]):
+                return r["request_id"]
+        await asyncio.sleep(0.002)
+    raise FailedPrecondition(f"no running request reached {tokens} output tokens in {timeout:.0f} s")
+
+
+async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator[pb.MigrateRequestEvent]:
+    st: MigrationState = agent.migration
+    node = agent.cfg.settings.node
+    poison, wait_tokens = request.test_poison_kv, request.test_wait_output_tokens
+    if (poison or wait_tokens) and not agent.cfg.settings.enable_fault_injection:
+        raise InvalidArgument("test_poison_kv / test_wait_output_tokens need the agent's fault "
+                              "injection setting (tests only)")
+    if not request.target_address or not (request.request_id or wait_tokens):
+        raise InvalidArgument("request_id and target_address are required")
+    rid = request.request_id
+    if wait_tokens:
+        rid = await _wait_for_request(agent, rid, wait_tokens)
+    infos = {r["request_id"]: r for r in await agent.engine.list_requests()}
+    info = infos.get(rid)
+    if info is None:
+        raise NotFound(f"no request {rid!r} in this engine "
+                       f"(running: {sorted(infos) or 'none'})")
+    if info["status"] != "RUNNING":
+        raise FailedPrecondition(f"request {rid} is {info['status']}, not RUNNING")
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(agent.cfg.dtype, 4)
+    kv_est = kv_bytes_estimate(info["blocks"], agent.cfg.model.shape, agent.block_size, dtype_bytes)
+    dst = request.target_node or request.target_address
+    decision = decide_one(st, info, kv_est, request.mode, request.bandwidth_limit_bps,
+                          request.slo_budget_seconds or None, node, dst)
+    log.info("migration.decided", request_id=rid, target=dst,
+             action=pb.RecoveryAction.Name(decision.action), reason=decision.reason,
+             migrate_s=round(decision.migrate_seconds, 6),
+             recompute_s=round(decision.recompute_seconds, 6), kv_bytes=kv_est)
+    yield pb.MigrateRequestEvent(decision=decision)
+    if decision.action == pb.RECOVERY_ACTION_ABORT:
+        await agent.engine.engine.abort(rid, internal=True)
+        return
+    migrate = decision.action == pb.RECOVERY_ACTION_MIGRATE
+    channel = grpc.aio.insecure_channel(request.target_address)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout=5)
+    except asyncio.TimeoutError:
+        await channel.close()
+        raise Unavailable(f"target agent {request.target_address} unreachable; "
+                          f"request {rid} stays here") from None
+    try:
+        async with agent.engine_exclusive():
+            state = await agent.engine.export_request(rid, agent.state_dir, migrate)
+    except FailedPrecondition:
+        await channel.close()
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. it finished meanwhile: it stays where it was
+        await channel.close()
+        raise FailedPrecondition(f"could not take request {rid} out of the engine: {exc}") from None
+    payload = state.get("payload")
+    chunks: list[bytes] = []
+    if payload:
+        with open(payload, "rb") as f:
+            data = f.read()
+        os.unlink(payload)
+        if poison:  # test-only control: same size, KV zeroed (the header stays valid)
+            head = 8 + int.from_bytes(data[:8], "little")
+            data = data[:head] + bytes(len(data) - head)
+        chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
+    header = pb.ImportHeader(
+        request_id=rid, prompt_token_ids=state["prompt_token_ids"],
+        output_token_ids=state["output_token_ids"], max_tokens=state["max_tokens"],
+        temperature=state["temperature"], ignore_eos=state["ignore_eos"],
+        kv_bytes=sum(len(c) for c in chunks), block_size=state["block_size"])
+    rate = request.bandwidth_limit_bps or st.bandwidth_limit_bps
+    st.active += 1 if migrate else 0
+    t0 = time.perf_counter()
+    first = True
+    try:
+        stub = node_agent_pb2_grpc.NodeAgentStub(channel)
+        async for ev in stub.ImportRequest(_throttled(chunks, header, rate), timeout=3600):
+            ev_out = pb.MigrateRequestEvent(token_ids=ev.token_ids, text=ev.text,
+                                            finished=ev.finished, finish_reason=ev.finish_reason)
+            if first:
+                first = False
+                took = time.perf_counter() - t0
+                ev_out.transfer_seconds, ev_out.export_seconds = took, state["paused_seconds"]
+                if migrate and header.kv_bytes:
+                    st.bandwidth.observe(node, dst, header.kv_bytes, took)
+                log.info("migration.transferred", request_id=rid,
+                         kv_bytes=header.kv_bytes, seconds=round(took, 4),
+                         paused_s=round(state["paused_seconds"], 4))
+            yield ev_out
+    except grpc.aio.AioRpcError as exc:
+        raise Unavailable(f"target agent failed during import: {exc.details()}") from None
+    finally:
+        st.active -= 1 if migrate else 0
+        await channel.close()
+
+
+async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterator[pb.ImportEvent]:
+    it = chunks.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        raise InvalidArgument("ImportRequest needs a header chunk") from None
+    if not first.HasField("header"):
+        raise InvalidArgument("the first ImportRequest chunk must carry the header")
+    h = first.header
+    if not h.request_id or not h.prompt_token_ids:
+        raise InvalidArgument("header needs request_id and prompt_token_ids")
+    if h.kv_bytes and h.block_size != agent.block_size:
+        raise FailedPrecondition(f"KV from block size {h.block_size} cannot load into block "
+                                 f"size {agent.block_size}; migrate with RECOMPUTE")
+    payload, t0 = None, time.perf_counter()
+    if h.kv_bytes:
+        payload = os.path.join(agent.state_dir, f"import-{h.request_id}-{time.monotonic_ns()}.st")
+        got = 0
+        with open(payload, "wb") as f:
+            async for c in it:
+                f.write(c.kv)
+                got += len(c.kv)
+        if got != h.kv_bytes:
+            os.unlink(payload)
+            raise InvalidArgument(f"KV payload incomplete: {got} of {h.kv_bytes} bytes")
+    if agent.status not in ("serving", "switching"):
+        raise FailedPrecondition(f"engine is {agent.status}, not serving")
+    received = time.perf_counter()
+    sent_text, sent_tokens, first_ev = 0, 0, True
+    try:
+        async for out in agent.engine.import_request(
+                h.request_id, list(h.prompt_token_ids), list(h.output_token_ids), h.max_tokens,
+                h.temperature, h.ignore_eos, payload):
+            o = out.outputs[0]
+            ev = pb.ImportEvent(token_ids=list(o.token_ids[sent_tokens:]), text=o.text[sent_text:],
+                                finished=out.finished, finish_reason=o.finish_reason or "")
+            if first_ev:
+                ev.loaded_tokens = (len(h.prompt_token_ids) + len(h.output_token_ids) - 1
+                                    if payload else 0)
+                first_ev = False
+                log.info("migration.imported", request_id=h.request_id, kv_bytes=h.kv_bytes,
+                         receive_s=round(received - t0, 4),
+                         first_token_s=round(time.perf_counter() - received, 4))
+            sent_tokens, sent_text = len(o.token_ids), len(o.text)
+            yield ev
+    finally:
+        if payload and os.path.exists(payload):
+            os.unlink(payload)
