@@ -43,6 +43,15 @@ def _agent_parser(sub) -> None:
     p.add_argument("--no-warm-up-candidates", dest="warm_up_candidates", action="store_false",
                    default=None, help="skip visiting every candidate topology before ready "
                    "(the first switch into each then pays its kernels' one-time set-up)")
+    p.add_argument("--no-world-changes", dest="world_changes", action="store_false",
+                   default=None, help="only candidates of the configured world size (the engine "
+                   "then starts just the workers that topology needs; no STANDBY workers)")
+    p.add_argument("--no-request-migration", dest="request_migration", action="store_false",
+                   default=None, help="do not install the import KV connector; no migrations")
+    p.add_argument("--prefill-table", type=Path,
+                   help="measured prefill times (remp profile) for migrate-vs-recompute")
+    p.add_argument("--migration-bandwidth-limit", type=float,
+                   help="throttle request migrations (bytes/s)")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
     p.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate")
