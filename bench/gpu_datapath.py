@@ -746,7 +746,7 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
                     f" ({r.get('pct_of_d2d', 0):4.1f}%) peak {_peak_of(pk):.2f};"
                     f" unlimited {un.get('GBps', float('nan')):6.1f}; reference {ref.get('GBps', float('nan')):6.1f} GB/s"
                     f" ok={r['ok']}/{r.get('ok_unlimited')}/{r.get('ok_reference')}/{r.get('ok_direct')}")
-        runs.append({"model": name, "tokens": tokens, "pairs": which, "num_blocks": case.NB,
+        runs.append({"model": name, "tokens": tokens, "pairs": which, "num_blocks": case.NB, "layers": case.L,
                      "live_blocks": int(case.ids.numel()), "block_size": BLOCK_SIZE,
                      "one_layer_kv_bytes": case.layer_bytes, "all_layers_kv_bytes": case.layer_bytes * case.L,
                      "staging_fraction": kvm.STAGING_FRACTION, "staging_limit_bytes": chunk,
@@ -1178,7 +1178,7 @@ def kv_targets(kv: dict) -> dict:
     if dr:
         per = {}
         for run, x in dr:
-            per.setdefault(f"{run['model']}_{run['tokens']}", []).append(x["pct_of_d2d"])
+            per.setdefault(f"{run['model']}_{run['tokens']}_{run['pairs']}", []).append(x["pct_of_d2d"])
         t["kv_direct_pct_of_d2d"] = {
             "median_ge_50k_tokens": statistics.median([x["pct_of_d2d"] for run, x in dr if run["tokens"] >= 50000]
                                                       or [x["pct_of_d2d"] for _, x in dr]),
@@ -1386,7 +1386,8 @@ def kv_markdown(report) -> list[str]:
           "between ranks); *unlimited* = staged, no staging limit; *reference* = the first executor "
           "(`migrate_kv_reference`: advanced-index gather, `.contiguous()`, `index_put` scatter). GB/s = live KV "
           "bytes moved (remote + local slices) / wall time of a timed (unpoisoned) leg, all ranks together. "
-          "*% d2d* = that ÷ the d2d copy ceiling (bytes copied/s); *hbm %* counts the HBM passes the staged path "
+          f"*% d2d* = that ÷ the d2d copy ceiling (bytes copied/s; {fmt(_ceil_of(report, 'kv'), '{:.0f}')} GB/s, measured "
+          "in the same run as these tables); *hbm %* counts the HBM passes the staged path "
           "makes on one GPU (remote: gather → transport copy → scatter = 3; local: gather → scatter = 2), so "
           "staged *% d2d* cannot exceed ~33 % for remote bytes; the direct path makes one pass, so its % d2d is "
           "its hbm %. Peak extra: allocator history per rank stream, the peak above the larger of the rank's KV "
@@ -1462,9 +1463,20 @@ def kv_markdown(report) -> list[str]:
         L += ["", "### What limits the direct path (computed from the numbers above)", ""] + [f"- {a}" for a in why]
     L.append("")
     sup = report.get("superseded", {}).get("kv") or []
-    for before in sup[:1] + sup[-1:] if len(sup) > 1 else sup:  # the first executor, the last before this
+    # the first executor's sweep, and earlier versions of the direct path (what changed between them)
+    for before in sup[:1] + [b for b in sup[1:] if _has_direct(b)]:
         L += _before_kv(before)
     return L
+
+
+def _ceil_of(report, sec: str) -> float | None:
+    """The d2d ceiling measured in the run that produced section ``sec`` (merged reports keep
+    every run's ceilings), else the report's."""
+    src = report.get("sources", {}).get(sec, {}).get("file")
+    for r in report.get("runs", []):
+        if r.get("file") == src and (r.get("ceilings") or {}).get("d2d_copy_GBps"):
+            return r["ceilings"]["d2d_copy_GBps"]
+    return report.get("ceilings", {}).get("d2d_copy_GBps")
 
 
 def direct_analysis(report) -> list[str]:
@@ -1473,7 +1485,7 @@ def direct_analysis(report) -> list[str]:
     time (the ranks are threads of one Python process here: their host work is serialized by the
     GIL, where a real host runs one process per GPU)."""
     out: list[str] = []
-    ceil = report.get("ceilings", {}).get("d2d_copy_GBps")
+    ceil = _ceil_of(report, "ops")
     ops = [o for o in report.get("kv_ops", {}).get("ops", []) if o["op"].startswith("direct pull")]
     if ops and ceil:
         out.append("The pull kernel alone (one launch on one 13B-shaped layer, ops table below): " + "; ".join(
@@ -1496,6 +1508,12 @@ def direct_analysis(report) -> list[str]:
         share = [d["host_cpu_s_sum"] / d["seconds"] for _, d in di]
         rate = max((o["GBps"] for o in ops), default=ceil)  # the kernel's measured rate, else the ceiling
         gpu = [x["bytes_moved"] / (rate * GB) for x, _ in di]
+        per_world: dict[int, list[float]] = {}
+        for x, d in di:
+            a, b = Topology.parse(x["old"]), Topology.parse(x["new"])
+            pulls = run.get("layers", MODELS.get(run["model"], {}).get("num_hidden_layers", 0)) * b.tp
+            if pulls:
+                per_world.setdefault(max(a.world_size, b.world_size), []).append(d["host_cpu_s_sum"] / pulls)
         slow = [(x, d) for x, d in di if d["pct_of_d2d"] < statistics.median(e["pct_of_d2d"] for _, e in di)]
         out.append(f"{run['model']}, {run['tokens']} tokens ({run['pairs']}): the rank threads' summed host CPU "
                    f"time is {statistics.median(share):.0%} of the leg's wall time (median over pairs; "
@@ -1503,34 +1521,47 @@ def direct_analysis(report) -> list[str]:
                    f"({rate:.0f} GB/s) would take "
                    f"{statistics.median(gpu) * 1e3:.1f} ms against {statistics.median(d['seconds'] for _, d in di) * 1e3:.1f} "
                    f"ms measured (medians). Below-median pairs: "
-                   + ", ".join(f"{x['old']}→{x['new']}" for x, _ in slow[:6]) + (" …" if len(slow) > 6 else "") + ".")
+                   + ", ".join(f"{x['old']}→{x['new']}" for x, _ in slow[:6]) + (" …" if len(slow) > 6 else "") + "."
+                   + (" Host CPU per (receiving rank, layer) pull, median by world size: " + ", ".join(
+                       f"{w} ranks {statistics.median(v) * 1e6:.0f} µs" for w, v in sorted(per_world.items()))
+                      + " (it grows with the number of rank threads sharing one interpreter)." if per_world else ""))
     return out
 
 
+def _has_direct(before) -> bool:
+    return any("direct" in x for run in before.get("data", {}).get("runs", []) for x in run["rows"])
+
+
 def _before_kv(before) -> list[str]:
-    """A superseded KV sweep, summarized (the first executor's or the staged executor's)."""
+    """A superseded KV sweep, summarized (the first executor's, or an earlier direct path's)."""
     b = before.get("data", {})
     if not b.get("runs"):
         return []
-    staged = any("unlimited" in x for run in b["runs"] for x in run["rows"])
-    L = [f"### Before: {'the staged executor' if staged else 'the first executor'}'s sweep *(from "
-         f"{before.get('file')}, {before.get('date')}; replaced by the tables above)*", ""]
-    if not staged:
+    direct = _has_direct(before)
+    what = "an earlier version of the direct path" if direct else "the first executor"
+    L = [f"### Before: {what} *(from {before.get('file')}, {before.get('date')}; replaced by the tables above)*", ""]
+    if b.get("note"):
+        L += [f"Note: {b['note']}.", ""]
+    if not direct:
         L += ["Default = no staging limit (then the only behaviour); *chunked* = `staging_limit_bytes` = 10 % of a layer.", ""]
-    L += ["| model | live tokens | pairs | GB/s median (min–max) | % d2d median | hbm % median | "
-          "peak/layer max (default) | reference GB/s median |",
-          "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    L += ["| model | live tokens | pairs | default GB/s median (min–max) | % d2d median | hbm % median | "
+          "peak/layer max (default) | reference GB/s median | direct GB/s median (min–max) | direct % d2d median |",
+          "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     for run in b["runs"]:
         rows = run["rows"]
         if not rows:
             continue
         g = [x["GBps"] for x in rows]
         ref = [x["reference"]["GBps"] for x in rows if "reference" in x]
+        dg = [x["direct"]["GBps"] for x in rows if "direct" in x]
+        dp = [x["direct"]["pct_of_d2d"] for x in rows if "pct_of_d2d" in x.get("direct", {})]
         L.append(f"| {run['model']} | {run['tokens']} | {len(rows)} | {statistics.median(g):.0f} "
                  f"({min(g):.0f}–{max(g):.0f}) | {fmt(statistics.median(x.get('pct_of_d2d', 0) for x in rows))} | "
                  f"{fmt(statistics.median(x.get('hbm_pct_of_d2d', 0) for x in rows))} | "
                  f"{max(_peak_of(x['peak']) for x in rows):.2f} | "
-                 f"{fmt(statistics.median(ref) if ref else None, '{:.0f}')} |")
+                 f"{fmt(statistics.median(ref) if ref else None, '{:.0f}')} | "
+                 + (f"{statistics.median(dg):.0f} ({min(dg):.0f}–{max(dg):.0f})" if dg else "–")
+                 + f" | {fmt(statistics.median(dp) if dp else None)} |")
     bt = kv_targets(b)
     if bt.get("kv_pct_of_d2d"):
         L += ["", f"Then: {bt['kv_pct_of_d2d']['median_ge_50k_tokens']:.1f} % of d2d (median, ≥ 50 k tokens), "
