@@ -850,6 +850,105 @@ def direct_selfcheck(dev: torch.device, streams, small: bool = False) -> dict:
     return res
 
 
+def bench_host_cost(cfg, dev, args, streams) -> dict:
+    """Where the direct path's host time goes, without rank threads competing for the GIL: CPU
+    microseconds per call of the pieces one (rank, layer) step runs, with the GPU kept busy so the
+    calls never wait for it; then one rank's whole direct migration (TP1PP1 → TP1PP1: every slice
+    local, 1 thread) and a profile of one rank thread inside an 8-rank leg (TP1PP8 → TP8PP1)."""
+    import cProfile
+    import io
+    import pstats
+
+    case = KVCase(cfg, args.small_tokens if args.small else 10000, dev)
+    H = case.H
+    idmap = kvm._IdMap(case.ids, None)
+    src = case.exec_view(torch.randn(case.shape(H), device=dev, dtype=DTYPE))
+    dst = case.exec_view(torch.empty(case.shape(H // 8), device=dev, dtype=DTYPE))
+    out: dict = {"tokens": case.tokens, "per_call_us": {}}
+    busy = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+
+    def per_call(name, fn, n=300):
+        for _ in range(5):
+            fn()
+        sync(dev)
+        if dev.type == "cuda":  # keep the GPU busy: the calls below only enqueue
+            for _ in range(40):
+                busy.add_(1)
+        t0 = time.thread_time()
+        for _ in range(n):
+            fn()
+        us = (time.thread_time() - t0) / n * 1e6
+        sync(dev)
+        out["per_call_us"][name] = us
+        log(f"[host cost] {name:<60} {us:8.1f} µs per call")
+
+    per_call("direct pull of one layer slice (kv_migration._pull)", lambda: kvm._pull([(src, 0, 0, H // 8)], dst, idmap))
+    if dev.type == "cuda" and kvm._PLANS:
+        plan = list(kvm._PLANS.values())[-1]
+        sids, dids = idmap.on(dev)
+        kernel = kvm._TRITON[1]
+        per_call("  of which the Triton launch alone", lambda: kernel[(idmap.n, 1)](
+            dst, *([src] * 8), plan.tab, plan.roff_s, plan.roff_d, sids, dids, **plan.meta))
+        ev = torch.cuda.Event()
+        per_call("torch.cuda.Event() + record", lambda: torch.cuda.Event().record())
+        ev.record()
+        per_call("stream.wait_event", lambda: torch.cuda.current_stream().wait_event(ev))
+    per_call("new layer: torch.empty + permute (the bench's alloc)", lambda: case.exec_view(
+        torch.empty(case.shape(H // 8), device=dev, dtype=DTYPE)))
+    del busy
+    # one rank alone: every slice local
+    a = RankView(Topology(1, 1), case.L, H)
+    plan1 = migration_plan(Topology(1, 1), Topology(1, 1), case.L, H)
+    layers = {ly: case.exec_view(torch.randn(case.shape(H), device=dev, dtype=DTYPE)) for ly in range(case.L)}
+    for rep in range(2):
+        hub = LocalTransport(direct=True)
+        sync(dev)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        new, st = migrate_kv(0, layers, a, a, plan1, case.ids,
+                             lambda _ly: case.exec_view(torch.empty(case.shape(H), device=dev, dtype=DTYPE)),
+                             hub.endpoint(0), path="direct")
+        c1 = time.thread_time()
+        sync(dev)
+        layers = new
+    out["one_rank_migration"] = {"layers": case.L, "wall_ms": (time.perf_counter() - t0) * 1e3,
+                                 "host_cpu_ms": (c1 - c0) * 1e3, "host_cpu_us_per_layer": (c1 - c0) / case.L * 1e6,
+                                 "bytes": st.bytes_copied_locally}
+    log(f"[host cost] one rank, {case.L} layers, direct, alone: {out['one_rank_migration']}")
+    del layers, new
+    gc.collect()
+    # one rank thread profiled inside an 8-rank leg
+    A, B = Topology(1, 8), Topology(8, 1)
+    lay = case.fill(A, streams)
+    lay, _ = migrate_leg(case, A, B, lay, streams, poison=False, trace=None, direct=True)
+    lay, _ = migrate_leg(case, B, A, lay, streams, poison=False, trace=None, direct=True)
+    prof = cProfile.Profile()
+    orig = kvm._migrate_direct
+
+    def profiled(rank, *a, **k):
+        if rank != 3:
+            return orig(rank, *a, **k)
+        prof.enable()
+        try:
+            return orig(rank, *a, **k)
+        finally:
+            prof.disable()
+    kvm._migrate_direct = profiled
+    try:
+        lay, info = migrate_leg(case, A, B, lay, streams, poison=False, trace=None, direct=True)
+    finally:
+        kvm._migrate_direct = orig
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    out["profile_rank3_of_8"] = {"leg_ms": info["seconds"] * 1e3, "host_cpu_ms_sum": info["host_cpu_s_sum"] * 1e3,
+                                 "top": buf.getvalue()[-4000:]}
+    log(f"[host cost] TP1PP8→TP8PP1 leg {info['seconds'] * 1e3:.1f} ms; rank 3's profile:\n{buf.getvalue()[-2500:]}")
+    del lay
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_kv_ops(cfg, dev, args) -> dict:
     """The executors' gather/scatter ops on one 13B-shaped layer (vLLM flash layout), each timed
     alone, against a plain copy of the same bytes: the first executor's (advanced indexing on the
@@ -1630,6 +1729,13 @@ def run_all(args) -> dict:
         except Exception as exc:  # noqa: BLE001
             report["kv_selfcheck"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             log(f"[kv selfcheck] FAILED: {exc!r}")
+        save()
+    if "hostcost" in only:
+        try:
+            report["kv_host_cost"] = bench_host_cost(models[list(models)[-1]], dev, args, streams)
+        except Exception as exc:  # noqa: BLE001
+            report["kv_host_cost"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"[host cost] FAILED: {exc!r}")
         save()
     if "ops" in only:
         try:
