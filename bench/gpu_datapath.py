@@ -1592,6 +1592,17 @@ def direct_analysis(report) -> list[str]:
             f"({o['ms']:.2f} ms)" for o in ops) + ". Each byte is read once and written once, as in the "
             "d2d copy; what the kernel loses is the per-block address arithmetic, masked tile edges and, "
             "for small launches, the Python launch itself.")
+    hc = report.get("kv_host_cost", {})
+    one = hc.get("one_rank_migration")
+    if one:
+        c1 = _ceil_of(report, "hostcost")
+        rate = one["bytes"] / (one["wall_ms"] / 1e3) / GB
+        out.append(f"One rank alone (one thread, no other rank competing for the interpreter; every slice local): "
+                   f"{one['layers']} layers at {hc['tokens']} live tokens ({one['bytes'] / GB:.2f} GB) in "
+                   f"{one['wall_ms']:.2f} ms = {rate:.0f} GB/s = {100 * rate / c1:.0f} % of d2d, "
+                   f"{one['host_cpu_us_per_layer']:.0f} µs of host CPU per layer. Host CPU per call, uncontended: "
+                   + ", ".join(f"{k.strip()} {v:.0f} µs" for k, v in hc.get("per_call_us", {}).items())
+                   + _src_note(report, "hostcost") + ".")
     tiles = report.get("kv_ops", {}).get("direct", {}).get("tiles", {})
     for h, tv in tiles.items():
         best = max(tv["variants"], key=lambda v: v["GBps"], default=None)
@@ -1792,8 +1803,8 @@ def run_all(args) -> dict:
     return report
 
 
-_SECTIONS = (("selfcheck", "kv_selfcheck"), ("ops", "kv_ops"), ("reload", "reload"), ("overlap", "overlap"),
-             ("kv", "kv"))
+_SECTIONS = (("selfcheck", "kv_selfcheck"), ("hostcost", "kv_host_cost"), ("ops", "kv_ops"), ("reload", "reload"),
+             ("overlap", "overlap"), ("kv", "kv"))
 
 
 def merge_reports(paths: list[str], out: Path) -> dict:
