@@ -107,45 +107,52 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
     if not request.target_address or not (request.request_id or wait_tokens):
         raise InvalidArgument("request_id and target_address are required")
     rid = request.request_id
-    if wait_tokens:
-        rid = await _wait_for_request(agent, rid, wait_tokens)
-    infos = {r["request_id"]: r for r in await agent.engine.list_requests()}
-    info = infos.get(rid)
-    if info is None:
-        raise NotFound(f"no request {rid!r} in this engine "
-                       f"(running: {sorted(infos) or 'none'})")
-    if info["status"] != "RUNNING":
-        raise FailedPrecondition(f"request {rid} is {info['status']}, not RUNNING")
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(agent.cfg.dtype, 4)
-    kv_est = kv_bytes_estimate(info["blocks"], agent.cfg.model.shape, agent.block_size, dtype_bytes)
     dst = request.target_node or request.target_address
-    decision = decide_one(st, info, kv_est, request.mode, request.bandwidth_limit_bps,
-                          request.slo_budget_seconds or None, node, dst)
-    log.info("migration.decided", request_id=rid, target=dst,
-             action=pb.RecoveryAction.Name(decision.action), reason=decision.reason,
-             migrate_s=round(decision.migrate_seconds, 6),
-             recompute_s=round(decision.recompute_seconds, 6), kv_bytes=kv_est)
-    yield pb.MigrateRequestEvent(decision=decision)
-    if decision.action == pb.RECOVERY_ACTION_ABORT:
-        await agent.engine.engine.abort(rid, internal=True)
-        return
-    migrate = decision.action == pb.RECOVERY_ACTION_MIGRATE
     channel = grpc.aio.insecure_channel(request.target_address)
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout=5)
     except asyncio.TimeoutError:
         await channel.close()
         raise Unavailable(f"target agent {request.target_address} unreachable; "
-                          f"request {rid} stays here") from None
+                          f"the request stays here") from None
     try:
+        if wait_tokens:
+            rid = await _wait_for_request(agent, rid, wait_tokens)
+        elif rid not in {r["request_id"] for r in await agent.engine.list_requests()}:
+            raise NotFound(f"no request {rid!r} in this engine")
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(agent.cfg.dtype, 4)
+
+        def choose(info: dict):
+            if info["status"] != "RUNNING":
+                raise FailedPrecondition(f"request {rid} is {info['status']}, not RUNNING")
+            kv = kv_bytes_estimate(info["blocks"], agent.cfg.model.shape, agent.block_size,
+                                   dtype_bytes)
+            d = decide_one(st, info, kv, request.mode, request.bandwidth_limit_bps,
+                           request.slo_budget_seconds or None, node, dst)
+            if d.action == pb.RECOVERY_ACTION_ABORT:
+                return d, None
+            return d, d.action == pb.RECOVERY_ACTION_MIGRATE
+
         async with agent.engine_exclusive():
-            state = await agent.engine.export_request(rid, agent.state_dir, migrate)
-    except FailedPrecondition:
+            decision, state = await agent.engine.take_out(rid, agent.state_dir, choose)
+    except (FailedPrecondition, NotFound, InvalidArgument):
         await channel.close()
         raise
-    except Exception as exc:  # noqa: BLE001 - e.g. it finished meanwhile: it stays where it was
+    except KeyError as exc:
+        await channel.close()
+        raise NotFound(str(exc).strip("'\"")) from None
+    except Exception as exc:  # noqa: BLE001 - it stays where it was
         await channel.close()
         raise FailedPrecondition(f"could not take request {rid} out of the engine: {exc}") from None
+    log.info("migration.decided", request_id=rid, target=dst,
+             action=pb.RecoveryAction.Name(decision.action), reason=decision.reason,
+             migrate_s=round(decision.migrate_seconds, 6),
+             recompute_s=round(decision.recompute_seconds, 6), kv_bytes=decision.kv_bytes)
+    yield pb.MigrateRequestEvent(decision=decision)
+    if state is None:  # ABORT: retryable; the request was dropped here
+        await channel.close()
+        return
+    migrate = decision.action == pb.RECOVERY_ACTION_MIGRATE
     payload = state.get("payload")
     chunks: list[bytes] = []
     if payload:
@@ -174,8 +181,11 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
                 first = False
                 took = time.perf_counter() - t0
                 ev_out.transfer_seconds, ev_out.export_seconds = took, state["paused_seconds"]
-                if migrate and header.kv_bytes:
-                    st.bandwidth.observe(node, dst, header.kv_bytes, took)
+                ev_out.receive_seconds = ev.receive_seconds
+                # the link's bandwidth: unthrottled transfers only (a throttle is a cap the
+                # decision applies on its own), timed by the receiver
+                if migrate and header.kv_bytes and not rate and ev.receive_seconds > 0:
+                    st.bandwidth.observe(node, dst, header.kv_bytes, ev.receive_seconds)
                 log.info("migration.transferred", request_id=rid,
                          kv_bytes=header.kv_bytes, seconds=round(took, 4),
                          paused_s=round(state["paused_seconds"], 4))
@@ -226,6 +236,7 @@ async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterat
             if first_ev:
                 ev.loaded_tokens = (len(h.prompt_token_ids) + len(h.output_token_ids) - 1
                                     if payload else 0)
+                ev.receive_seconds = received - t0
                 first_ev = False
                 log.info("migration.imported", request_id=h.request_id, kv_bytes=h.kv_bytes,
                          receive_s=round(received - t0, 4),

@@ -355,41 +355,55 @@ class EngineHandle:
     async def list_requests(self) -> list[dict]:
         return await self.utility("remp_list_requests")
 
-    async def export_request(self, request_id: str, workdir: str, with_kv: bool) -> dict:
-        """Take one running request out of this engine: pause, export its state (and, with_kv,
-        its KV as one payload file in ``workdir``), abort it here, resume. Returns the state;
-        ``state["payload"]`` is the KV file (per global layer ``L<i>``: its blocks × all KV
-        heads). The caller serialises engine-exclusive work (switches)."""
+    async def take_out(self, request_id: str, workdir: str, choose) -> tuple[object, dict | None]:
+        """Take one running request out of this engine. Generation pauses; ``choose(info)``
+        (``info``: its :meth:`list_requests` entry, exact while paused) returns ``(decision,
+        with_kv)`` or ``(decision, None)`` to drop it without exporting. Then its state — and,
+        ``with_kv``, its KV as one payload file in ``workdir`` (per global layer ``L<i>``: its
+        blocks × all KV heads) — is exported, the request aborted here, generation resumed.
+        Returns ``(decision, state or None)``. The caller serialises engine-exclusive work."""
         import time
-
-        from safetensors import safe_open
-        from safetensors.torch import save_file
 
         prefix = os.path.join(workdir, f"export-{request_id}")
         t0 = time.perf_counter()
         await self.pause()
         try:
-            state = await self.utility("remp_export_request", request_id, prefix, with_kv)
+            infos = {r["request_id"]: r for r in await self.list_requests()}
+            if request_id not in infos:
+                raise KeyError(f"no request {request_id!r} in the engine (it may have finished)")
+            decision, with_kv = choose(infos[request_id])
+            state = None
+            if with_kv is not None:
+                state = await self.utility("remp_export_request", request_id, prefix, with_kv)
             await self.engine.abort(request_id, internal=True)
         finally:
             await self.resume()
+        if state is None:
+            return decision, None
         state["paused_seconds"] = time.perf_counter() - t0
         if with_kv:
-            import torch
-
-            parts: dict[int, list] = {}
-            for f in state["files"]:
-                with safe_open(f, framework="pt") as st:
-                    for key in st.keys():
-                        layer, head = key[1:].split(".h")
-                        parts.setdefault(int(layer), []).append((int(head), st.get_tensor(key)))
-                os.unlink(f)
-            merged = {f"L{ly}": torch.cat([t for _, t in sorted(p, key=lambda x: x[0])], dim=1)
-                      for ly, p in parts.items()}
-            state["payload"] = prefix + ".safetensors"
-            save_file(merged, state["payload"])
+            state["payload"] = self._merge_export(state.pop("files"), prefix + ".safetensors")
             state["kv_bytes"] = os.path.getsize(state["payload"])
-        return state
+        return decision, state
+
+    @staticmethod
+    def _merge_export(files: list[str], out: str) -> str:
+        """Every rank's slices (``L<layer>.h<first head>``) into one tensor per layer."""
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        parts: dict[int, list] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for key in st.keys():
+                    layer, head = key[1:].split(".h")
+                    parts.setdefault(int(layer), []).append((int(head), st.get_tensor(key)))
+            os.unlink(f)
+        merged = {f"L{ly}": torch.cat([t for _, t in sorted(p, key=lambda x: x[0])], dim=1)
+                  for ly, p in parts.items()}
+        save_file(merged, out)
+        return out
 
     async def import_request(self, request_id: str, prompt_token_ids: list[int],
                              output_token_ids: list[int], max_tokens: int, temperature: float,

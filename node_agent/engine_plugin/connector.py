@@ -65,6 +65,7 @@ class RempImportConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         p = _params(request)
+
         if p is None or request.request_id in self._pending:
             return 0, False
         # every token but the last: vLLM computes that one (it needs at least one)

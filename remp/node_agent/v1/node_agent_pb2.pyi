@@ -103,7 +103,7 @@ class MigrateRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ..., mode: _Optional[_Union[RecoveryMode, str]] = ..., bandwidth_limit_bps: _Optional[float] = ..., slo_budget_seconds: _Optional[float] = ..., target_node: _Optional[str] = ..., test_poison_kv: _Optional[bool] = ..., test_wait_output_tokens: _Optional[int] = ...) -> None: ...
 
 class MigrateRequestEvent(_message.Message):
-    __slots__ = ("decision", "token_ids", "text", "finished", "finish_reason", "transfer_seconds", "export_seconds")
+    __slots__ = ("decision", "token_ids", "text", "finished", "finish_reason", "transfer_seconds", "export_seconds", "receive_seconds")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class MigrateRequestEvent(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     decision: RecoveryDecision
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -118,7 +119,8 @@ class MigrateRequestEvent(_message.Message):
     finish_reason: str
     transfer_seconds: float
     export_seconds: float
-    def __init__(self, decision: _Optional[_Union[RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ...) -> None: ...
+    receive_seconds: float
+    def __init__(self, decision: _Optional[_Union[RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
 
 class ImportHeader(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos", "kv_bytes", "block_size")
@@ -149,18 +151,20 @@ class ImportChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., kv: _Optional[bytes] = ...) -> None: ...
 
 class ImportEvent(_message.Message):
-    __slots__ = ("token_ids", "text", "finished", "finish_reason", "loaded_tokens")
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "loaded_tokens", "receive_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
     finish_reason: str
     loaded_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
+    receive_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., loaded_tokens: _Optional[int] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
