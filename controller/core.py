@@ -231,7 +231,9 @@ class Controller:
     async def reconfigure(self, name: str, target: types_pb2.Topology, request_id: str,
                           reason: str, test_start_when_running: int = 0
                           ) -> controller_pb2.ReconfigureResponse:
+        tl = {"rpc_in": time.perf_counter()}  # this switch's timeline (logged when it finishes)
         h, reg = await self._node(name)
+        tl["node_read"] = time.perf_counter()
         _check_topology_fields(target)
         current = Topology.parse(h.get("observed") or topo_str(reg.topology))
         tgt = Topology(target.tp, target.pp)
@@ -258,6 +260,7 @@ class Controller:
                 return controller_pb2.ReconfigureResponse(switch_id=other, duplicate=True)
             return controller_pb2.ReconfigureResponse(switch_id=sid, noop=True)
         await self.agents.check_serving(reg.agent_address)  # unreachable → no state change
+        tl["agent_checked"] = time.perf_counter()
         ev = self._event(controller_pb2.EVENT_TYPE_SWITCH_PHASE, name, sid,
                          phase=types_pb2.PHASE_SERVING_OLD, detail=f"accepted {current} → {tgt}")
         status, other = await self.store.begin(name, sid, request_id, to_json(rec), now, str(tgt), ev)
@@ -269,6 +272,8 @@ class Controller:
             raise FailedPrecondition(f"switch {other} is running on node {name}; wait for it "
                                      "(Watch) or abort it")
         rec.epoch = int(other)
+        tl["begun"] = time.perf_counter()
+        self._t[sid] = tl
         log.info("controller.switch_accepted", switch_id=sid, node=name, target=str(tgt),
                  epoch=rec.epoch, request_id=request_id)
         self.spawn(self._drive(reg.agent_address, rec, test_start_when_running))
@@ -282,7 +287,7 @@ class Controller:
 
     async def _drive(self, address: str, rec: types_pb2.SwitchRecord, start_gate: int = 0) -> None:
         sid, node = rec.switch_id, rec.node
-        self._t[sid] = {"accepted": time.perf_counter()}
+        self._t.setdefault(sid, {})["accepted"] = time.perf_counter()
         try:
             await self._pause_point("ACCEPTED")
             if not await self.store.dispatch(sid):
@@ -370,9 +375,10 @@ class Controller:
             metrics.controller().switch_finished(rec, outcome)
         t = self._t.pop(rec.switch_id, {})
         t["finished"] = time.perf_counter()
-        t0 = t.get("accepted", t["finished"])
+        t0 = t.get("rpc_in", t.get("accepted", t["finished"]))
         log.info("controller.switch_finished", switch_id=rec.switch_id, outcome=outcome,
                  recorded=done, total_s=round(rec.total_seconds, 3),
+                 t0_mono=round(t0, 6),
                  controller_ms={k: round((v - t0) * 1e3, 2) for k, v in t.items()})
 
     async def _reconcile_forever(self, row: SwitchRow) -> None:
