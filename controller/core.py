@@ -232,6 +232,19 @@ class Controller:
                           reason: str, test_start_when_running: int = 0
                           ) -> controller_pb2.ReconfigureResponse:
         tl = {"rpc_in": time.perf_counter()}  # this switch's timeline (logged when it finishes)
+        for _ in range(3):
+            resp = await self._reconfigure(name, target, request_id, reason,
+                                           test_start_when_running, tl)
+            if resp is not None:
+                return resp
+        raise FailedPrecondition(f"the topology of node {name!r} kept changing while the "
+                                 "switch was being planned; retry")
+
+    async def _reconfigure(self, name: str, target: types_pb2.Topology, request_id: str,
+                           reason: str, test_start_when_running: int, tl: dict[str, float]
+                           ) -> controller_pb2.ReconfigureResponse | None:
+        """One attempt; None when the node's topology changed between reading it and taking
+        the switch slot (the decision — noop or from which topology — is made again)."""
         h, reg = await self._node(name)
         tl["node_read"] = time.perf_counter()
         _check_topology_fields(target)
@@ -263,7 +276,8 @@ class Controller:
         tl["agent_checked"] = time.perf_counter()
         ev = self._event(controller_pb2.EVENT_TYPE_SWITCH_PHASE, name, sid,
                          phase=types_pb2.PHASE_SERVING_OLD, detail=f"accepted {current} → {tgt}")
-        status, other = await self.store.begin(name, sid, request_id, to_json(rec), now, str(tgt), ev)
+        status, other = await self.store.begin(name, sid, request_id, to_json(rec), now, str(tgt), ev,
+                                               observed=h.get("observed", ""))
         if status == "notfound":
             raise NotFound(f"unknown node {name!r}")
         if status == "dup":
@@ -271,6 +285,9 @@ class Controller:
         if status == "busy":
             raise FailedPrecondition(f"switch {other} is running on node {name}; wait for it "
                                      "(Watch) or abort it")
+        if status == "moved":
+            log.info("controller.topology_moved", node=name, read=str(current), now=other)
+            return None
         rec.epoch = int(other)
         tl["begun"] = time.perf_counter()
         self._t[sid] = tl

@@ -32,7 +32,8 @@ REQID_TTL_S = 7 * 24 * 3600
 
 _BEGIN = """
 -- KEYS: node, reqid (or ""), switch, unfinished, history_node, history_all, events
--- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl
+-- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl,
+--       observed (the topology the switch was planned from: it must still be the node's)
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
 if KEYS[2] ~= '' then
   local prev = redis.call('GET', KEYS[2])
@@ -40,6 +41,8 @@ if KEYS[2] ~= '' then
 end
 local cur = redis.call('HGET', KEYS[1], 'current')
 if cur and cur ~= '' then return {'busy', cur} end
+local observed = redis.call('HGET', KEYS[1], 'observed') or ''
+if observed ~= ARGV[10] then return {'moved', observed} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'current', ARGV[1], 'desired', ARGV[4])
 redis.call('HSET', KEYS[3], 'node', ARGV[8], 'record', ARGV[2], 'phase', 1, 'outcome', 'running', 'dispatched', 0,
@@ -255,13 +258,16 @@ class Store:
 
     # ---------------------------------------------------------------- switches
     async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
-                    started: float, target: str, event: controller_pb2.Event) -> tuple[str, str]:
-        """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '')."""
+                    started: float, target: str, event: controller_pb2.Event,
+                    observed: str) -> tuple[str, str]:
+        """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '') |
+        ('moved', observed now): the node's observed topology is no longer ``observed`` (a
+        switch finished or a heartbeat reported another one since it was read)."""
         res = await self._run("begin", [
             self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
             self.k_unfinished, self.k_hist(node), self.k_hist(None), self.k_events,
         ], [switch_id, record_json, started, target, request_id, to_json(event), EVENTS_MAXLEN,
-            node, REQID_TTL_S])
+            node, REQID_TTL_S, observed])
         return res[0], res[1]
 
     async def noop(self, node: str, switch_id: str, request_id: str, record_json: str,

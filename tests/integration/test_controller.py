@@ -221,3 +221,28 @@ def test_traffic_and_recommendations(stub, ctl):
         metadata=MD, timeout=5)
     st = stub.GetState(controller_pb2.GetStateRequest(node="a8"), timeout=5)
     assert st.recommendation == "TP1PP2: peak: +12% goodput"
+
+
+def test_begin_refuses_a_topology_that_moved_since_it_was_read(redis_server):
+    """Reconfigure plans from the observed topology it read; when a switch finished (or a
+    heartbeat reported another topology) before it takes the node's switch slot, begin writes
+    nothing and says 'moved', and Reconfigure decides again (found by the 20-concurrent e2e)."""
+    import asyncio
+
+    from controller.store import Store
+
+    async def go():
+        store = Store(redis_server.url, prefix="t-moved:")
+        ev = controller_pb2.Event(type=controller_pb2.EVENT_TYPE_SWITCH_PHASE, node="m1")
+        try:
+            await store.register("m1", reg("m1"), time.time() + 10, "TP1PP2", ev)
+            args = ("m1", "sw-m1", "", "{}", time.time(), "TP1PP2", ev)
+            assert await store.begin(*args, observed="TP2PP1") == ("moved", "TP1PP2")
+            assert (await store.node("m1")).get("current", "") == ""
+            assert await store.switch("sw-m1") is None
+            status, epoch = await store.begin(*args, observed="TP1PP2")
+            assert status == "ok" and int(epoch) >= 1
+            assert (await store.node("m1"))["current"] == "sw-m1"
+        finally:
+            await store.close()
+    asyncio.run(go())
