@@ -9,7 +9,7 @@ from controller.core import Controller
 from controller.planner import Plan
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
-from remp.errors import Unauthenticated
+from remp.errors import InvalidArgument, Unauthenticated
 from remp.grpc_util import rpc_errors, rpc_errors_stream
 
 
@@ -106,3 +106,19 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         await self.core.record_recommendation(request.node, request.recommended, request.reason,
                                               request.decision_id)
         return controller_pb2.RecordRecommendationResponse()
+
+    @rpc_errors
+    async def DrainNode(self, request, context):
+        _check_token(context, self.token)
+        if not request.node:
+            raise InvalidArgument("node is required")
+        if request.slo_budget_seconds < 0 or request.slo_budget_seconds != request.slo_budget_seconds:
+            raise InvalidArgument("slo_budget_seconds must be >= 0")
+        return controller_pb2.DrainNodeResponse(decisions=await self.core.drain(
+            request.node, request.target_node, request.slo_budget_seconds, request.reason,
+            request.test_start_when_running))
+
+    @rpc_errors
+    async def ListRecoveries(self, request, context):
+        return controller_pb2.ListRecoveriesResponse(
+            recoveries=await self.core.list_recoveries(request.node))

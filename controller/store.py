@@ -321,6 +321,44 @@ class Store:
         return int(await self._call(self.r.zcard(self.k_hist(node))))
 
     # ---------------------------------------------------------------- events
+    # ---------------------------------------------------------------- recovery
+    def k_inflight(self, n: str) -> str: return f"{self.p}inflight:{n}"
+    def k_recovery(self, rid: str) -> str: return f"{self.p}recovery:{rid}"
+    @property
+    def k_recoveries(self) -> str: return f"{self.p}recoveries"
+
+    async def set_inflight(self, name: str, journal_json: str) -> None:
+        """The node's in-flight journal (its last heartbeat's requests)."""
+        await self._call(self.r.set(self.k_inflight(name), journal_json))
+
+    async def inflight(self, name: str) -> str | None:
+        return await self._call(self.r.get(self.k_inflight(name)))
+
+    async def clear_inflight(self, name: str) -> None:
+        await self._call(self.r.delete(self.k_inflight(name)))
+
+    async def set_draining(self, name: str, draining: bool, event: controller_pb2.Event) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(self.k_node(name), "draining", "1" if draining else "0")
+            p.xadd(self.k_events, {"e": to_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+            await self._call(p.execute())
+
+    async def put_recovery(self, request_id: str, record_json: str, now: float,
+                           event: controller_pb2.Event) -> None:
+        """One request's recovery record (replaced as it progresses) and its event, at once."""
+        async with self.r.pipeline(transaction=True) as p:
+            p.set(self.k_recovery(request_id), record_json)
+            p.zadd(self.k_recoveries, {request_id: now}, nx=True)
+            p.xadd(self.k_events, {"e": to_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+            await self._call(p.execute())
+
+    async def recoveries(self, limit: int = 1000) -> list[str]:
+        ids = await self._call(self.r.zrevrange(self.k_recoveries, 0, limit - 1))
+        if not ids:
+            return []
+        vals = await self._call(self.r.mget([self.k_recovery(i) for i in ids]))
+        return [v for v in vals if v]
+
     async def last_event_id(self) -> str:
         last = await self._call(self.r.xrevrange(self.k_events, count=1))
         return last[0][0] if last else "0-0"

@@ -77,6 +77,9 @@ class AgentSettings(BaseSettings):
         None, description="require client certificates signed by this CA (mutual TLS)")
     controller: str | None = Field(None, description="controller host:port to register with")
     controller_token: str | None = Field(None, description="bearer token for the controller")
+    heartbeat_seconds: float | None = Field(
+        None, gt=0, description="heartbeat period (default: a third of the controller's lease); "
+        "each heartbeat carries the in-flight journal a lost node's requests are recovered from")
     advertise_address: str | None = Field(
         None, description="host:port the controller reaches this agent's gRPC at "
         "(default: host, or 127.0.0.1 when bound to 0.0.0.0, and the gRPC port)")

@@ -20,6 +20,7 @@ import grpc
 
 from remp import logs
 from remp.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from remp.common.v1 import types_pb2
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
 from remp.recovery import (Action, BandwidthEstimator, DisplacedRequest, PrefillTable,
@@ -27,8 +28,8 @@ from remp.recovery import (Action, BandwidthEstimator, DisplacedRequest, Prefill
 
 log = logs.get_logger("remp.node_agent.migration")
 CHUNK = 256 * 1024
-ACTIONS = {Action.MIGRATE: pb.RECOVERY_ACTION_MIGRATE, Action.RECOMPUTE: pb.RECOVERY_ACTION_RECOMPUTE,
-           Action.ABORT: pb.RECOVERY_ACTION_ABORT}
+ACTIONS = {Action.MIGRATE: types_pb2.RECOVERY_ACTION_MIGRATE, Action.RECOMPUTE: types_pb2.RECOVERY_ACTION_RECOMPUTE,
+           Action.ABORT: types_pb2.RECOVERY_ACTION_ABORT}
 
 
 @dataclass
@@ -49,7 +50,7 @@ def kv_bytes_estimate(blocks: int, shape, block_size: int, dtype_bytes: int) -> 
 
 
 def decide_one(st: MigrationState, info: dict, kv_bytes: int, mode: int, limit_bps: float,
-               budget_s: float | None, src: str, dst: str) -> pb.RecoveryDecision:
+               budget_s: float | None, src: str, dst: str) -> types_pb2.RecoveryDecision:
     tokens = info["prompt_tokens"] + info["output_tokens"]
     req = DisplacedRequest(info["request_id"], kv_bytes, tokens, budget_s=budget_s,
                            remaining_tokens=max(0, info["max_tokens"] - info["output_tokens"]),
@@ -66,7 +67,7 @@ def decide_one(st: MigrationState, info: dict, kv_bytes: int, mode: int, limit_b
         action, reason = Action.RECOMPUTE, "forced_recompute"
     elif st.prefill is None and action is Action.RECOMPUTE:
         action, reason = Action.MIGRATE, "no_prefill_table"
-    return pb.RecoveryDecision(
+    return types_pb2.RecoveryDecision(
         request_id=info["request_id"], action=ACTIONS[action], reason=reason,
         migrate_seconds=d.migrate_s, recompute_seconds=d.recompute_s,
         bandwidth_bps=d.bandwidth_bps, kv_bytes=kv_bytes, tokens=tokens,
@@ -129,9 +130,9 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
                                    dtype_bytes)
             d = decide_one(st, info, kv, request.mode, request.bandwidth_limit_bps,
                            request.slo_budget_seconds or None, node, dst)
-            if d.action == pb.RECOVERY_ACTION_ABORT:
+            if d.action == types_pb2.RECOVERY_ACTION_ABORT:
                 return d, None
-            return d, d.action == pb.RECOVERY_ACTION_MIGRATE
+            return d, d.action == types_pb2.RECOVERY_ACTION_MIGRATE
 
         async with agent.engine_exclusive():
             decision, state = await agent.engine.take_out(rid, agent.state_dir, choose)
@@ -145,14 +146,14 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
         await channel.close()
         raise FailedPrecondition(f"could not take request {rid} out of the engine: {exc}") from None
     log.info("migration.decided", request_id=rid, target=dst,
-             action=pb.RecoveryAction.Name(decision.action), reason=decision.reason,
+             action=types_pb2.RecoveryAction.Name(decision.action), reason=decision.reason,
              migrate_s=round(decision.migrate_seconds, 6),
              recompute_s=round(decision.recompute_seconds, 6), kv_bytes=decision.kv_bytes)
     yield pb.MigrateRequestEvent(decision=decision)
     if state is None:  # ABORT: retryable; the request was dropped here
         await channel.close()
         return
-    migrate = decision.action == pb.RECOVERY_ACTION_MIGRATE
+    migrate = decision.action == types_pb2.RECOVERY_ACTION_MIGRATE
     payload = state.get("payload")
     chunks: list[bytes] = []
     if payload:

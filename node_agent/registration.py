@@ -76,9 +76,13 @@ class TrafficWindow:
 async def heartbeat_request(agent: "NodeAgent", window: TrafficWindow
                             ) -> controller_pb2.HeartbeatRequest:
     traffic = await window.sample(agent)
+    inflight = []
+    if agent.engine is not None and agent.engine.engine is not None:
+        inflight = [controller_pb2.InflightRequest(**r) for r in agent.engine.journal()]
     return controller_pb2.HeartbeatRequest(
         node=agent.cfg.settings.node, topology=convert.topology_to_proto(agent.topology),
-        engine_status=convert.ENGINE_STATUS.get(agent.status, 0), traffic=traffic)
+        engine_status=convert.ENGINE_STATUS.get(agent.status, 0), traffic=traffic,
+        inflight=inflight)
 
 
 async def keep_registered(agent: "NodeAgent", controller: str, agent_address: str,
@@ -99,7 +103,8 @@ async def keep_registered(agent: "NodeAgent", controller: str, agent_address: st
                 else:
                     r = await stub.Heartbeat(await heartbeat_request(agent, window), metadata=md, timeout=5)
                     lease = r.lease_seconds or lease
-                await asyncio.sleep(max(0.1, lease / 3))
+                await asyncio.sleep(max(0.1, min(lease / 3, agent.cfg.settings.heartbeat_seconds
+                                                 or lease / 3)))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     registered = False  # the controller forgot us (new Redis): register again

@@ -7,7 +7,7 @@ import time
 import grpc
 
 from remp import logs
-from remp.errors import InvalidArgument, NotFound
+from remp.errors import FailedPrecondition, InvalidArgument, NotFound
 from remp.grpc_util import rpc_errors, rpc_errors_stream
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
 
@@ -86,6 +86,16 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
         self.agent.require_serving()
         async for ev in migration.import_in(self.agent, request_iterator):
             yield ev
+
+
+    @rpc_errors
+    async def SetDraining(self, request, context):
+        if self.agent.engine is None:
+            raise FailedPrecondition("engine is not started")
+        self.agent.engine.draining_retry_after = (request.retry_after_seconds or 5) \
+            if request.draining else 0
+        log.info("agent.draining", draining=request.draining)
+        return node_agent_pb2.SetDrainingResponse(draining=request.draining)
 
 
 def add_to_server(servicer: NodeAgentServicer, server: grpc.aio.Server) -> None:

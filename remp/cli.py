@@ -60,6 +60,8 @@ def _agent_parser(sub) -> None:
                    help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--controller", help="controller host:port to register with")
     p.add_argument("--controller-token", help="bearer token for the controller")
+    p.add_argument("--heartbeat-seconds", type=float,
+                   help="heartbeat period (default: a third of the controller's lease)")
     p.add_argument("--advertise-address", help="host:port the controller reaches this agent at")
     p.add_argument("extra_vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 

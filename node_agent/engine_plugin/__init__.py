@@ -75,6 +75,10 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "PP batch queue rebuilt"),
     ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor._get_output_rank", "output rank"),
     ("vllm.config", "VllmConfig.max_concurrent_batches", "PP batch queue size"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "in-flight journal"),
+    ("vllm.v1.engine.detokenizer", "IncrementalDetokenizer.output_token_ids", "in-flight journal"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1",
+     "the remp import connector"),
     # world-size changes: STANDBY workers and the block pool resize
     ("vllm.v1.executor.multiproc_executor", "WorkerProc._execute_worker_rpc",
      "worker RPCs resolve methods on the instance (STANDBY step override)"),
@@ -240,6 +244,8 @@ class EngineHandle:
         self.engine = None  # AsyncLLM
         self.args: argparse.Namespace | None = None
         self._http_server = None
+        self.draining_retry_after = 0  # > 0: the OpenAI API answers new requests with 503
+        self._sampling: dict[str, Any] = {}  # request id -> SamplingParams (the journal)
 
     def parse_args(self) -> argparse.Namespace:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -274,8 +280,40 @@ class EngineHandle:
         self.engine = await loop.run_in_executor(None, self._build_engine, self.args)
         await self.engine.reset_mm_cache()
         await self.verify_live_internals()
+        self._watch_sampling_params()
         if self.spec.pp > 1:
             await self.engine.collective_rpc("remp_fix_pp")
+
+    def _watch_sampling_params(self) -> None:
+        """Remember each request's sampling parameters as the front end registers it (the
+        in-flight journal needs them; the output processor keeps only part of them)."""
+        op = self.engine.output_processor
+        inner = op.add_request
+        sampling = self._sampling
+
+        def add_request(request, *args, **kwargs):
+            if request.sampling_params is not None:
+                sampling[request.request_id] = request.sampling_params
+            return inner(request, *args, **kwargs)
+
+        op.add_request = add_request
+
+    def journal(self) -> list[dict]:
+        """Every unfinished request as the front end knows it (prompt, tokens so far, sampling
+        basics), read in this process: no call into the engine core."""
+        states = self.engine.output_processor.request_states
+        for rid in [r for r in self._sampling if r not in states]:
+            del self._sampling[rid]
+        out = []
+        for rid, st in list(states.items()):
+            sp = self._sampling.get(rid)
+            if sp is None or st.prompt_token_ids is None or st.detokenizer is None:
+                continue
+            out.append({"request_id": rid, "prompt_token_ids": list(st.prompt_token_ids),
+                        "output_token_ids": list(st.detokenizer.output_token_ids),
+                        "max_tokens": sp.max_tokens or 0, "temperature": sp.temperature,
+                        "ignore_eos": bool(sp.ignore_eos)})
+        return out
 
     async def setup_switching(self, candidates: list[tuple[int, int]], store_path: str) -> list:
         """Prebuild every candidate's groups, per-layer KV, weight-store loader (once)."""
@@ -331,7 +369,8 @@ class EngineHandle:
         tasks = await self.engine.get_supported_tasks()
         app = build_app(self.args, tasks, self.engine.model_config)
         await init_app_state(self.engine, app.state, self.args, tasks)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+        config = uvicorn.Config(_DrainingMiddleware(app, handle=self), log_level="warning",
+                                access_log=False, lifespan="on",
                                 timeout_keep_alive=5)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the agent owns signals
@@ -427,6 +466,29 @@ class EngineHandle:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+class _DrainingMiddleware:
+    """While the node drains, new inference requests get 503 with Retry-After (ASGI)."""
+
+    def __init__(self, app, handle: EngineHandle):
+        self.app, self.handle = app, handle
+
+    async def __call__(self, scope, receive, send):
+        retry = self.handle.draining_retry_after
+        if (retry and scope["type"] == "http" and scope.get("method") == "POST"
+                and scope.get("path", "").startswith("/v1/")):
+            import json
+
+            body = json.dumps({"error": {"message": "node is draining; retry on another node",
+                                         "type": "ServiceUnavailable", "code": 503}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"retry-after", str(retry).encode()),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
 
 
 def vllm_version() -> str:

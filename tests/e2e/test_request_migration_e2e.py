@@ -18,6 +18,7 @@ import grpc
 import httpx
 import pytest
 
+from remp.common.v1 import types_pb2 as T
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
 from remp.recovery import PrefillTable, crossover_bandwidth
@@ -82,7 +83,7 @@ def migrate(a, b, text=PROMPT, **kw):
 def test_request_continues_on_the_other_agent_token_exact(agents, reference, mode):
     a, b, _ = agents
     part, cont, d, first = migrate(a, b, mode=mode)
-    want = pb.RECOVERY_ACTION_MIGRATE if mode == pb.RECOVERY_MODE_MIGRATE else pb.RECOVERY_ACTION_RECOMPUTE
+    want = T.RECOVERY_ACTION_MIGRATE if mode == pb.RECOVERY_MODE_MIGRATE else T.RECOVERY_ACTION_RECOMPUTE
     assert d.action == want and d.source_node == "mig-a" and d.target_node == "mig-b"
     assert part and cont  # it really moved mid-decode
     assert part + cont == reference
@@ -105,7 +106,7 @@ def test_zeroed_kv_diverges(agents):
     reference = asyncio.run(ref())
     part, cont, d, _ = migrate(a, b, mode=pb.RECOVERY_MODE_MIGRATE, test_poison_kv=True,
                                text=text)
-    assert d.action == pb.RECOVERY_ACTION_MIGRATE
+    assert d.action == T.RECOVERY_ACTION_MIGRATE
     assert part + cont != reference and reference.startswith(part)
 
 
@@ -125,18 +126,18 @@ def test_throttle_flips_the_decision_at_the_predicted_crossover(agents, referenc
         assert d.migrate_seconds == pytest.approx(d.kv_bytes / d.bandwidth_bps, rel=1e-9)
         assert d.recompute_seconds == pytest.approx(table.seconds(d.tokens), rel=1e-9)
         here = crossover_bandwidth(d.kv_bytes, d.recompute_seconds)
-        expect = pb.RECOVERY_ACTION_MIGRATE if d.bandwidth_bps >= here else pb.RECOVERY_ACTION_RECOMPUTE
+        expect = T.RECOVERY_ACTION_MIGRATE if d.bandwidth_bps >= here else T.RECOVERY_ACTION_RECOMPUTE
         assert d.action == expect, (factor, d)
         seen[factor] = d.action
-        if d.action == pb.RECOVERY_ACTION_MIGRATE:  # the throttle is real: the transfer took it
+        if d.action == T.RECOVERY_ACTION_MIGRATE:  # the throttle is real: the transfer took it
             assert first.transfer_seconds >= d.kv_bytes / limit * 0.9
-    assert seen == {0.5: pb.RECOVERY_ACTION_RECOMPUTE, 2.0: pb.RECOVERY_ACTION_MIGRATE}
+    assert seen == {0.5: T.RECOVERY_ACTION_RECOMPUTE, 2.0: T.RECOVERY_ACTION_MIGRATE}
 
 
 def test_slo_infeasible_request_is_aborted_with_a_retryable_decision(agents, reference):
     a, b, _ = agents
     part, cont, d, _ = migrate(a, b, slo_budget_seconds=1e-9)
-    assert d.action == pb.RECOVERY_ACTION_ABORT and d.reason == "slo_infeasible"
+    assert d.action == T.RECOVERY_ACTION_ABORT and d.reason == "slo_infeasible"
     assert d.retry_after_seconds >= 1
     assert cont == "" and reference.startswith(part) and len(part) < len(reference)
 

@@ -51,6 +51,13 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_ACTIVE: _ClassVar[WorkerState]
     WORKER_STATE_STANDBY: _ClassVar[WorkerState]
     WORKER_STATE_WAKING: _ClassVar[WorkerState]
+
+class RecoveryAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECOVERY_ACTION_UNSPECIFIED: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_MIGRATE: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_RECOMPUTE: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_ABORT: _ClassVar[RecoveryAction]
 PHASE_UNSPECIFIED: Phase
 PHASE_SERVING_OLD: Phase
 PHASE_QUIESCING: Phase
@@ -81,6 +88,10 @@ WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_ACTIVE: WorkerState
 WORKER_STATE_STANDBY: WorkerState
 WORKER_STATE_WAKING: WorkerState
+RECOVERY_ACTION_UNSPECIFIED: RecoveryAction
+RECOVERY_ACTION_MIGRATE: RecoveryAction
+RECOVERY_ACTION_RECOMPUTE: RecoveryAction
+RECOVERY_ACTION_ABORT: RecoveryAction
 
 class Topology(_message.Message):
     __slots__ = ("tp", "pp")
@@ -251,3 +262,31 @@ class TrafficSample(_message.Message):
     running: int
     waiting: int
     def __init__(self, at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_seconds: _Optional[float] = ..., requests: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class RecoveryDecision(_message.Message):
+    __slots__ = ("request_id", "action", "reason", "migrate_seconds", "recompute_seconds", "bandwidth_bps", "kv_bytes", "tokens", "retry_after_seconds", "source_node", "target_node", "detail")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    action: RecoveryAction
+    reason: str
+    migrate_seconds: float
+    recompute_seconds: float
+    bandwidth_bps: float
+    kv_bytes: int
+    tokens: int
+    retry_after_seconds: int
+    source_node: str
+    target_node: str
+    detail: str
+    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[RecoveryAction, str]] = ..., reason: _Optional[str] = ..., migrate_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., retry_after_seconds: _Optional[int] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

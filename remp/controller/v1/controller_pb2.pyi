@@ -30,6 +30,9 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_SWITCH_ROLLED_BACK: _ClassVar[EventType]
     EVENT_TYPE_SWITCH_ABORTED: _ClassVar[EventType]
     EVENT_TYPE_RECOMMENDATION: _ClassVar[EventType]
+    EVENT_TYPE_NODE_DRAINING: _ClassVar[EventType]
+    EVENT_TYPE_REQUEST_RECOVERY: _ClassVar[EventType]
+    EVENT_TYPE_REQUEST_RECOVERED: _ClassVar[EventType]
 NODE_HEALTH_UNSPECIFIED: NodeHealth
 NODE_HEALTH_READY: NodeHealth
 NODE_HEALTH_SWITCHING: NodeHealth
@@ -44,6 +47,9 @@ EVENT_TYPE_SWITCH_FAILED: EventType
 EVENT_TYPE_SWITCH_ROLLED_BACK: EventType
 EVENT_TYPE_SWITCH_ABORTED: EventType
 EVENT_TYPE_RECOMMENDATION: EventType
+EVENT_TYPE_NODE_DRAINING: EventType
+EVENT_TYPE_REQUEST_RECOVERY: EventType
+EVENT_TYPE_REQUEST_RECOVERED: EventType
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "agent_address", "http_address", "topology", "candidates", "host", "model", "kv_bandwidth_bps", "weight_bandwidth_bps")
@@ -76,16 +82,94 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node", "topology", "engine_status", "traffic")
+    __slots__ = ("node", "topology", "engine_status", "traffic", "inflight")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     node: str
     topology: _types_pb2.Topology
     engine_status: _types_pb2.EngineStatus
     traffic: _types_pb2.TrafficSample
-    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ...) -> None: ...
+    inflight: _containers.RepeatedCompositeFieldContainer[InflightRequest]
+    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ..., inflight: _Optional[_Iterable[_Union[InflightRequest, _Mapping]]] = ...) -> None: ...
+
+class InflightRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    temperature: float
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node", "target_node", "slo_budget_seconds", "reason", "test_start_when_running")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    SLO_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TEST_START_WHEN_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    target_node: str
+    slo_budget_seconds: float
+    reason: str
+    test_start_when_running: int
+    def __init__(self, node: _Optional[str] = ..., target_node: _Optional[str] = ..., slo_budget_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., test_start_when_running: _Optional[int] = ...) -> None: ...
+
+class DrainNodeResponse(_message.Message):
+    __slots__ = ("decisions",)
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    decisions: _containers.RepeatedCompositeFieldContainer[_types_pb2.RecoveryDecision]
+    def __init__(self, decisions: _Optional[_Iterable[_Union[_types_pb2.RecoveryDecision, _Mapping]]] = ...) -> None: ...
+
+class Recovery(_message.Message):
+    __slots__ = ("request_id", "source_node", "target_node", "cause", "decision", "status", "tokens_before", "token_ids", "text", "finish_reason", "error", "at")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    source_node: str
+    target_node: str
+    cause: str
+    decision: _types_pb2.RecoveryDecision
+    status: str
+    tokens_before: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    error: str
+    at: _timestamp_pb2.Timestamp
+    def __init__(self, request_id: _Optional[str] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., cause: _Optional[str] = ..., decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ..., status: _Optional[str] = ..., tokens_before: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListRecoveriesRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class ListRecoveriesResponse(_message.Message):
+    __slots__ = ("recoveries",)
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
+    def __init__(self, recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds",)
@@ -240,7 +324,7 @@ class WatchRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., switch_id: _Optional[str] = ..., include_history: _Optional[bool] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("id", "type", "node", "switch_id", "phase", "at", "record", "detail")
+    __slots__ = ("id", "type", "node", "switch_id", "phase", "at", "record", "detail", "decision")
     ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +333,7 @@ class Event(_message.Message):
     AT_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     id: str
     type: EventType
     node: str
@@ -257,7 +342,8 @@ class Event(_message.Message):
     at: _timestamp_pb2.Timestamp
     record: _types_pb2.SwitchRecord
     detail: str
-    def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., node: _Optional[str] = ..., switch_id: _Optional[str] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., record: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+    decision: _types_pb2.RecoveryDecision
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., node: _Optional[str] = ..., switch_id: _Optional[str] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., record: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., detail: _Optional[str] = ..., decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("switch_id", "reason")

@@ -95,6 +95,16 @@ class ControllerStub:
                 request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationRequest.SerializeToString,
                 response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationResponse.FromString,
                 _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/remp.controller.v1.Controller/DrainNode',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
+        self.ListRecoveries = channel.unary_unary(
+                '/remp.controller.v1.Controller/ListRecoveries',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -178,6 +188,26 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainNode(self, request, context):
+        """Take a node out of service (maintenance): it stops accepting new requests (HTTP 503 with
+        Retry-After on its OpenAI API) and each running request moves to another serving node —
+        migrated with its KV or recomputed there, as the recovery decision says. Returns once every
+        request has its decision (continuations keep running; ListRecoveries shows them).
+        NOT_FOUND unknown node, FAILED_PRECONDITION no other serving node / a switch is running,
+        UNAVAILABLE node or Redis unreachable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRecoveries(self, request, context):
+        """Requests recovered from drained or lost nodes: the decision, where they continued, and how
+        they ended (the continuation's tokens and text), newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -240,6 +270,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.RecordRecommendation,
                     request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationRequest.FromString,
                     response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.DrainNodeRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'ListRecoveries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRecoveries,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -566,6 +606,60 @@ class Controller:
             '/remp.controller.v1.Controller/RecordRecommendation',
             remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationRequest.SerializeToString,
             remp_dot_controller_dot_v1_dot_controller__pb2.RecordRecommendationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/DrainNode',
+            remp_dot_controller_dot_v1_dot_controller__pb2.DrainNodeRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRecoveries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/ListRecoveries',
+            remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,20 +13,23 @@ class RecoveryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECOVERY_MODE_AUTO: _ClassVar[RecoveryMode]
     RECOVERY_MODE_MIGRATE: _ClassVar[RecoveryMode]
     RECOVERY_MODE_RECOMPUTE: _ClassVar[RecoveryMode]
-
-class RecoveryAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    RECOVERY_ACTION_UNSPECIFIED: _ClassVar[RecoveryAction]
-    RECOVERY_ACTION_MIGRATE: _ClassVar[RecoveryAction]
-    RECOVERY_ACTION_RECOMPUTE: _ClassVar[RecoveryAction]
-    RECOVERY_ACTION_ABORT: _ClassVar[RecoveryAction]
 RECOVERY_MODE_AUTO: RecoveryMode
 RECOVERY_MODE_MIGRATE: RecoveryMode
 RECOVERY_MODE_RECOMPUTE: RecoveryMode
-RECOVERY_ACTION_UNSPECIFIED: RecoveryAction
-RECOVERY_ACTION_MIGRATE: RecoveryAction
-RECOVERY_ACTION_RECOMPUTE: RecoveryAction
-RECOVERY_ACTION_ABORT: RecoveryAction
+
+class SetDrainingRequest(_message.Message):
+    __slots__ = ("draining", "retry_after_seconds")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    retry_after_seconds: int
+    def __init__(self, draining: _Optional[bool] = ..., retry_after_seconds: _Optional[int] = ...) -> None: ...
+
+class SetDrainingResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
     __slots__ = ()
@@ -53,34 +56,6 @@ class ListRequestsResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
-
-class RecoveryDecision(_message.Message):
-    __slots__ = ("request_id", "action", "reason", "migrate_seconds", "recompute_seconds", "bandwidth_bps", "kv_bytes", "tokens", "retry_after_seconds", "source_node", "target_node", "detail")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    ACTION_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    MIGRATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
-    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
-    DETAIL_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    action: RecoveryAction
-    reason: str
-    migrate_seconds: float
-    recompute_seconds: float
-    bandwidth_bps: float
-    kv_bytes: int
-    tokens: int
-    retry_after_seconds: int
-    source_node: str
-    target_node: str
-    detail: str
-    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[RecoveryAction, str]] = ..., reason: _Optional[str] = ..., migrate_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., retry_after_seconds: _Optional[int] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class MigrateRequestRequest(_message.Message):
     __slots__ = ("request_id", "target_address", "mode", "bandwidth_limit_bps", "slo_budget_seconds", "target_node", "test_poison_kv", "test_wait_output_tokens")
@@ -112,7 +87,7 @@ class MigrateRequestEvent(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    decision: RecoveryDecision
+    decision: _types_pb2.RecoveryDecision
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
@@ -120,7 +95,7 @@ class MigrateRequestEvent(_message.Message):
     transfer_seconds: float
     export_seconds: float
     receive_seconds: float
-    def __init__(self, decision: _Optional[_Union[RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
 
 class ImportHeader(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos", "kv_bytes", "block_size")

@@ -69,6 +69,11 @@ class NodeAgentStub:
                 request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportChunk.SerializeToString,
                 response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportEvent.FromString,
                 _registered_method=True)
+        self.SetDraining = channel.unary_unary(
+                '/remp.node_agent.v1.NodeAgent/SetDraining',
+                request_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SetDrainingRequest.SerializeToString,
+                response_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SetDrainingResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -133,6 +138,14 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDraining(self, request, context):
+        """Stop (or resume) accepting new requests on the OpenAI API: while draining it answers
+        503 with Retry-After; requests already running continue (or are migrated away).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +183,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.ImportRequest,
                     request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportChunk.FromString,
                     response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportEvent.SerializeToString,
+            ),
+            'SetDraining': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDraining,
+                    request_deserializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SetDrainingRequest.FromString,
+                    response_serializer=remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SetDrainingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +379,33 @@ class NodeAgent:
             '/remp.node_agent.v1.NodeAgent/ImportRequest',
             remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportChunk.SerializeToString,
             remp_dot_node__agent_dot_v1_dot_node__agent__pb2.ImportEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDraining(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.node_agent.v1.NodeAgent/SetDraining',
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SetDrainingRequest.SerializeToString,
+            remp_dot_node__agent_dot_v1_dot_node__agent__pb2.SetDrainingResponse.FromString,
             options,
             channel_credentials,
             insecure,
