@@ -276,8 +276,8 @@ class Controller:
         tl["agent_checked"] = time.perf_counter()
         ev = self._event(controller_pb2.EVENT_TYPE_SWITCH_PHASE, name, sid,
                          phase=types_pb2.PHASE_SERVING_OLD, detail=f"accepted {current} → {tgt}")
-        status, other = await self.store.begin(name, sid, request_id, to_json(rec), now, str(tgt), ev,
-                                               observed=h.get("observed", ""))
+        status, other = await self.store.begin(name, sid, request_id, to_json(rec), now,
+                                               str(tgt), ev, observed=h.get("observed", ""))
         if status == "notfound":
             raise NotFound(f"unknown node {name!r}")
         if status == "dup":
