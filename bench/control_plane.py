@@ -1,6 +1,7 @@
 """Control-plane overhead per switch, and planning time at fleet scale.
 
     python bench/control_plane.py [--switches 20] [--nodes 1000] [--json] [--out FILE]
+                                  [--log-dir DIR] [--engine-priority low|equal|both]
 
 Overhead: a real Redis, controller and node agent (tiny model, vLLM CPU, TP2PP1 ↔ TP1PP2, no
 load). For each switch: the client's wall time from sending Reconfigure to receiving the
@@ -9,10 +10,32 @@ SWITCH_DONE event on Watch, minus the agent-reported engine time of the switch
 agent health check, Redis compare-and-set writes for every phase, the event stream and the
 driver's ExecuteSwitch round trips. p50 / p99 over --switches.
 
+Where it goes: every switch is split by the timestamps the processes themselves report (all on
+this host's clock): client call → the controller's "accepted" event (validation, Redis read,
+agent health check) → the agent starts the switch (Redis writes, ExecuteSwitch) | engine | the
+agent's record is complete → the controller's SWITCH_DONE event → the client has it (Redis
+write, Watch). Per switch also every event as the controller wrote it and the client got it.
+
+Engine priority. Everything shares this machine's CPUs (2 on the reference box), and vLLM's
+workers busy-wait (sched_yield) for 1 s after every message they read — after a switch's last
+engine call they occupy both cores for a second. The harness starts the agent at nice 5 in its
+own session, but with autogroup scheduling (Linux's default, see
+/proc/sys/kernel/sched_autogroup_enabled) nice only ranks tasks inside one session, so the
+controller, Redis and the client wait for CPU behind the spinning workers (measured with
+perf sched: 1.0-1.3 s of run-queue wait for the controller's gRPC threads, ending when the
+spin ends). "low": the agent's session gets autogroup nice 19, so the engine only takes CPU the
+control plane does not want — the situation of a controller on its own host. "equal": the
+agent's session as started (autogroup nice 0). "both" (default) interleaves the two over
+2 × --switches switches; the headline numbers are "low", the "equal" ones are reported beside
+them. Then the engine processes' CPU use is sampled while idle and for 1.5 s from the moment
+the client has SWITCH_DONE of one more switch (the spin shows as ≈ 2 CPUs busy for ≈ 1 s), and
+the CPU used by processes outside this benchmark during the measured switches is reported
+(other work on a shared machine).
+
 Planning: --nodes nodes shaped like an 8-GPU H200 host serving a Llama-2-70B-shaped model (80
 layers, 8 KV heads, 64 heads, hidden 8192, bf16, 40k live blocks) are registered with the same
 controller; the pure planner plans TP1PP8 → TP4PP2 for every one of them (total ms), and the Plan
-RPC's latency is measured with all of them registered (p50).
+RPC's latency is measured with all of them registered (p50). --nodes 0 skips planning.
 
 With --json the last line is one JSON object: overhead_p50_ms, overhead_p99_ms, switches,
 plan_1000_nodes_ms, plus details.
@@ -22,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -31,6 +55,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -53,22 +78,31 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def measure_overhead(ctl: ControllerProcess, n: int) -> list[dict]:
+def _wall(ts) -> float:
+    return ts.ToNanoseconds() / 1e9
+
+
+def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list[dict]:
+    """One switch at a time, switch i under ``modes[i]`` (``set_mode`` applies it); per switch
+    the client's wall times plus the timestamps the system itself reports (the controller's
+    Event.at, the agent's record started_at / finished_at; all processes share this host's
+    clock), so the overhead splits into where it was spent."""
     out = []
     with grpc.insecure_channel(ctl.addr) as ch:
         stub = ctl.stub(ch)
-        for i in range(n):
+        for i, mode in enumerate(modes):
+            set_mode(mode)
             target = types_pb2.Topology(tp=1, pp=2) if i % 2 == 0 else types_pb2.Topology(tp=2, pp=1)
-            got: dict = {}
+            got: dict = {"events": []}
             opened = threading.Event()
 
             def watch():
                 stream = stub.Watch(controller_pb2.WatchRequest(node=NODE), timeout=120)
                 opened.set()
                 for ev in stream:
+                    got["events"].append((time.time(), ev))
                     if ev.switch_id and ev.switch_id == got.get("sid") and ev.type in DONE:
                         got["t_done"] = time.perf_counter()
-                        got["event"] = ev
                         stream.cancel()
                         return
                     if ev.type in DONE:  # done before we learnt the id: keep it
@@ -77,21 +111,46 @@ def measure_overhead(ctl: ControllerProcess, n: int) -> list[dict]:
             th.start()
             opened.wait(10)
             time.sleep(0.2)  # the stream is registered server-side
-            t0 = time.perf_counter()
+            w0, t0 = time.time(), time.perf_counter()
             r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=NODE, target=target),
                                  timeout=30)
+            t_returned = time.perf_counter()
             got["sid"] = r.switch_id
             th.join(120)
             if "t_done" not in got:
                 for t, ev in got.get("early", []):
                     if ev.switch_id == r.switch_id:
-                        got["t_done"], got["event"] = t, ev
+                        got["t_done"] = t
             rec = stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=r.switch_id), timeout=10)
             if rec.outcome != types_pb2.SWITCH_OUTCOME_SUCCEEDED:
                 raise RuntimeError(f"switch {r.switch_id} ended {rec.outcome}: {rec.error.message}")
             e2e = got["t_done"] - t0
-            out.append({"e2e_s": e2e, "engine_s": rec.total_seconds,
-                        "overhead_ms": (e2e - rec.total_seconds) * 1e3})
+            mine = [(t, ev) for t, ev in got["events"] if ev.switch_id == r.switch_id]
+            accepted = next(ev for _, ev in mine if ev.phase == types_pb2.PHASE_SERVING_OLD)
+            done = next(ev for _, ev in mine if ev.type in DONE)
+            w_done = w0 + e2e
+            ms = lambda a, b: round((b - a) * 1e3, 2)  # noqa: E731
+            out.append({
+                "switch_id": r.switch_id, "engine_priority": mode, "e2e_s": e2e,
+                "engine_s": rec.total_seconds,
+                "overhead_ms": (e2e - rec.total_seconds) * 1e3,
+                "reconfigure_rpc_ms": round((t_returned - t0) * 1e3, 2),
+                # where the overhead went, by the reporting processes' own clocks
+                "split_ms": {
+                    "client_to_accepted": ms(w0, _wall(accepted.at)),
+                    "accepted_to_agent_start": ms(_wall(accepted.at), _wall(rec.started_at)),
+                    "agent_end_to_done_event": ms(_wall(rec.finished_at), _wall(done.at)),
+                    "done_event_to_client": ms(_wall(done.at), w_done),
+                },
+                "agent_wall_minus_total_ms": ms(rec.total_seconds,
+                                                _wall(rec.finished_at) - _wall(rec.started_at)),
+                # each event: phase, written by the controller (ms after the client's call),
+                # received by the client; the agent's phases: started (ms after the call)
+                "events_ms": [[types_pb2.Phase.Name(ev.phase)[6:], ms(w0, _wall(ev.at)),
+                               ms(w0, t)] for t, ev in mine],
+                "agent_phases_ms": [[types_pb2.Phase.Name(pt.phase)[6:],
+                                     ms(w0, _wall(pt.started_at))] for pt in rec.phase_timings],
+            })
     return out
 
 
@@ -144,15 +203,81 @@ def measure_planning(ctl: ControllerProcess, nodes: int) -> dict:
                              "predicted_total_s": plans[0].predicted_total_s}}
 
 
+# autogroup nice of the agent's session per --engine-priority (see the module docstring)
+AUTOGROUP_NICE = {"low": 19, "equal": 0}
+
+
+def cpu_busy_s() -> float:
+    """CPU seconds spent by everything on this machine (all CPUs), from /proc/stat."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = f
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(procs: dict[int, psutil.Process]) -> dict[int, float]:
+    out = {}
+    for pid, p in procs.items():
+        try:
+            t = p.cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def own_tree() -> dict[int, psutil.Process]:
+    me = psutil.Process()
+    return {p.pid: p for p in [me, *me.children(recursive=True)]}
+
+
+def engine_cpu_profile(agent: AgentProcess, seconds: float = 1.5, step: float = 0.1
+                       ) -> list[float]:
+    """CPUs busy in the agent's engine processes (engine core, workers) per ``step``."""
+    procs = {p.pid: p for p in agent.descendants()}
+    out, last = [], cpu_s(procs)
+    for _ in range(int(round(seconds / step))):
+        time.sleep(step)
+        cur = cpu_s(procs)
+        out.append(round(sum(cur[k] - last.get(k, cur[k]) for k in cur) / step, 2))
+        last = cur
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    ov = [r["overhead_ms"] for r in rows]
+    splits = list(rows[0]["split_ms"])
+    return {
+        "switches": len(rows),
+        "overhead_p50_ms": statistics.median(ov),
+        "overhead_p99_ms": pct(ov, 0.99),
+        "overhead_all_ms": [round(x, 2) for x in ov],
+        "overhead_split_p50_ms": {k: statistics.median(r["split_ms"][k] for r in rows)
+                                  for k in splits},
+        "overhead_split_max_ms": {k: max(r["split_ms"][k] for r in rows) for k in splits},
+        "engine_p50_s": statistics.median(r["engine_s"] for r in rows),
+        "e2e_p50_s": statistics.median(r["e2e_s"] for r in rows),
+        "reconfigure_rpc_p50_ms": statistics.median(r["reconfigure_rpc_ms"] for r in rows),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--switches", type=int, default=20)
+    ap.add_argument("--switches", type=int, default=20, help="per engine priority")
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--log-dir", type=Path, help="keep the controller and agent logs here")
+    ap.add_argument("--engine-priority", choices=("low", "equal", "both"), default="both")
     a = ap.parse_args()
+    if a.engine_priority == "both":  # interleaved in pairs, so each sees both directions
+        modes = ["low" if (i // 2) % 2 == 0 else "equal" for i in range(2 * a.switches)]
+    else:
+        modes = [a.engine_priority] * a.switches
     with tempfile.TemporaryDirectory(prefix="remp-bench-cp-") as tmp, RedisServer() as redis:
         logs = Path(tmp)
+        if a.log_dir:
+            logs = a.log_dir
+            logs.mkdir(parents=True, exist_ok=True)
         model = make_model(logs / "tiny-llama")
         ctl = ControllerProcess(redis.url, log_dir=logs, name="ctl-bench")
         ctl.start().wait_ready()
@@ -160,44 +285,75 @@ def main() -> int:
                              extra=["--controller", ctl.addr])
         try:
             with agent:
-                deadline = time.monotonic() + 60
-                with grpc.insecure_channel(ctl.addr) as ch:
-                    while time.monotonic() < deadline:
-                        try:
-                            ctl.stub(ch).GetState(controller_pb2.GetStateRequest(node=NODE),
-                                                  timeout=5)
-                            break
-                        except grpc.RpcError:
-                            time.sleep(0.2)
-                rows = measure_overhead(ctl, a.switches)
-            planning = measure_planning(ctl, a.nodes)
+                ctl.wait_node_ready(NODE)
+                autogroup = Path(f"/proc/{agent.proc.pid}/autogroup")  # agent = session leader
+
+                def set_mode(mode: str) -> None:
+                    autogroup.write_text(str(AUTOGROUP_NICE[mode]))
+
+                tree = own_tree()
+                busy0, tree0, t0 = cpu_busy_s(), cpu_s(tree), time.monotonic()
+                rows = measure_overhead(ctl, modes, set_mode)
+                busy1, tree1, t1 = cpu_busy_s(), cpu_s(tree), time.monotonic()
+                # the engine's CPU use around one more switch (at equal priority): idle before,
+                # then from the moment the client has SWITCH_DONE
+                set_mode("equal")
+                time.sleep(1.5)
+                idle = engine_cpu_profile(agent, 0.5)
+                probe = measure_overhead(ctl, ["equal"], set_mode)[0]
+                spin = engine_cpu_profile(agent)
+            planning = measure_planning(ctl, a.nodes) if a.nodes else {}
         finally:
             ctl.stop()
-    ov = [r["overhead_ms"] for r in rows]
+    ours = sum(tree1[k] - tree0.get(k, 0.0) for k in tree1)
+    headline = "low" if "low" in modes else "equal"
+    by_mode = {m: [r for r in rows if r["engine_priority"] == m] for m in ("low", "equal")}
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} cpus={len(__import__('os').sched_getaffinity(0))}",
-        "switches": len(rows),
-        "overhead_p50_ms": statistics.median(ov),
-        "overhead_p99_ms": pct(ov, 0.99),
-        "overhead_all_ms": [round(x, 2) for x in ov],
-        "engine_p50_s": statistics.median(r["engine_s"] for r in rows),
-        "e2e_p50_s": statistics.median(r["e2e_s"] for r in rows),
+        "machine": f"{platform.machine()} cpus={len(os.sched_getaffinity(0))}",
+        "engine_priority": headline,
+        **summary(by_mode[headline]),
+        **({"equal_priority": summary(by_mode["equal"])}
+           if headline == "low" and by_mode["equal"] else {}),
+        "engine_cpus_busy_idle": idle,
+        "engine_cpus_busy_after_switch_done": spin,
+        "engine_cpus_probe_switch": probe["switch_id"],
+        "other_load_cpus": round(max(0.0, (busy1 - busy0) - ours) / (t1 - t0), 2),
+        "per_switch": [{k: v for k, v in r.items() if k not in ("e2e_s", "engine_s")}
+                       | {"e2e_ms": round(r["e2e_s"] * 1e3, 2),
+                          "engine_ms": round(r["engine_s"] * 1e3, 2),
+                          "overhead_ms": round(r["overhead_ms"], 2)} for r in rows],
         **planning,
     }
-    print(f"\nremp control plane — {result['switches']} switches TP2PP1↔TP1PP2 (tiny model, CPU), "
-          f"{result['plan_nodes']} H200x8 nodes registered")
-    print(f"{'':34}{'p50':>10}{'p99':>10}")
-    print(f"{'overhead per switch (ms)':34}{result['overhead_p50_ms']:>10.1f}"
-          f"{result['overhead_p99_ms']:>10.1f}   target p50 <= 20")
-    print(f"{'Reconfigure -> done (s)':34}{result['e2e_p50_s']:>10.3f}")
-    print(f"{'agent-reported switch (s)':34}{result['engine_p50_s']:>10.3f}")
-    print(f"{'plan 1000 nodes (ms, pure, cold)':34}{result['plan_1000_nodes_ms']:>10.1f}"
-          f"{'':10}   target <= 100")
-    print(f"{'plan 1000 nodes (ms, one model)':34}{result['plan_1000_nodes_warm_ms']:>10.1f}")
-    print(f"{'Plan RPC, 1000 nodes registered':34}{result['plan_rpc_p50_ms']:>10.1f}")
-    if a.out:
-        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    cols = [m for m in ("low", "equal") if by_mode[m]]
+    sums = {m: summary(by_mode[m]) for m in cols}
+    print(f"\nremp control plane — TP2PP1↔TP1PP2 (tiny model, CPU), engine priority: "
+          + ", ".join(f"{m} ({len(by_mode[m])} switches)" for m in cols)
+          + (f"; {result['plan_nodes']} H200x8 nodes registered" if planning else ""))
+    print(f"{'':36}" + "".join(f"{m + ' p50':>12}{m + ' p99':>12}" for m in cols))
+    print(f"{'overhead per switch (ms)':36}" + "".join(
+        f"{sums[m]['overhead_p50_ms']:>12.1f}{sums[m]['overhead_p99_ms']:>12.1f}" for m in cols)
+        + "   target p50 <= 20")
+    for k in sums[cols[0]]["overhead_split_p50_ms"]:
+        print(f"{'  ' + k:36}" + "".join(
+            f"{sums[m]['overhead_split_p50_ms'][k]:>12.1f}"
+            f"{sums[m]['overhead_split_max_ms'][k]:>9.1f}max" for m in cols))
+    print(f"{'Reconfigure -> done (s)':36}" + "".join(
+        f"{sums[m]['e2e_p50_s']:>12.3f}{'':12}" for m in cols))
+    print(f"{'agent-reported switch (s)':36}" + "".join(
+        f"{sums[m]['engine_p50_s']:>12.3f}{'':12}" for m in cols))
+    print(f"engine processes, CPUs busy per 0.1 s: idle {idle}; from SWITCH_DONE of one more "
+          f"switch {spin}")
+    print(f"other work on this machine during the switches: {result['other_load_cpus']} CPUs")
+    if planning:
+        print(f"{'plan 1000 nodes (ms, pure, cold)':36}{result['plan_1000_nodes_ms']:>12.1f}"
+              f"{'':12}   target <= 100")
+        print(f"{'plan 1000 nodes (ms, one model)':36}{result['plan_1000_nodes_warm_ms']:>12.1f}")
+        print(f"{'Plan RPC, 1000 nodes registered':36}{result['plan_rpc_p50_ms']:>12.1f}")
+    if a.out:  # one line per switch
+        rows_txt = ",\n    ".join(json.dumps(r, ensure_ascii=False) for r in result["per_switch"])
+        text = json.dumps({**result, "per_switch": "@ROWS@"}, indent=2, ensure_ascii=False)
+        a.out.write_text(text.replace('"@ROWS@"', f"[\n    {rows_txt}\n  ]") + "\n")
     if a.json:
         print(json.dumps(result))
     return 0
