@@ -94,6 +94,9 @@ class Controller:
         self._cache: dict[str, controller_pb2.NodeState] = {}  # last known, for stale reads
         self._paused = asyncio.Event()  # test hook: set when a driver froze
         self._t: dict[str, dict[str, float]] = {}  # per-switch driver timestamps (logged)
+        from controller.recovery import RecoveryCoordinator
+
+        self.recovery = RecoveryCoordinator(self)
 
     # ------------------------------------------------------------------ lifecycle
     def spawn(self, coro) -> asyncio.Task:
@@ -124,6 +127,7 @@ class Controller:
                          detail=f"{req.agent_address} {topo_str(req.topology)}")
         epoch = await self.store.register(req.node, req, self.clock() + self.s.lease_seconds,
                                           topo_str(req.topology), ev)
+        await self.store.clear_draining(req.node)
         log.info("controller.node_registered", node=req.node, agent=req.agent_address,
                  topology=topo_str(req.topology))
         return self.s.lease_seconds, epoch
@@ -134,6 +138,9 @@ class Controller:
         observed = topo_str(req.topology) if req.topology.tp and req.topology.pp else ""
         traffic = to_json(req.traffic) if req.HasField("traffic") else ""
         await self.store.heartbeat(req.node, self.clock() + self.s.lease_seconds, observed, traffic)
+        # the journal a lost node's requests are recovered from (replaced every heartbeat)
+        await self.store.set_inflight(req.node, to_json(
+            controller_pb2.HeartbeatRequest(inflight=req.inflight)))
         return self.s.lease_seconds
 
     def _state(self, name: str, h: dict[str, str], current: SwitchRow | None
@@ -257,6 +264,8 @@ class Controller:
                 return controller_pb2.ReconfigureResponse(switch_id=prev, duplicate=True)
         if h.get("health") == "lost":
             raise Unavailable(f"node {name!r} is lost (its lease expired); it must re-register")
+        if h.get("draining") == "1":
+            raise FailedPrecondition(f"node {name!r} is draining; it must re-register to serve")
         sid = "sw-" + uuid.uuid4().hex[:16]
         now = self.clock()
         rec = types_pb2.SwitchRecord(
@@ -523,6 +532,14 @@ class Controller:
         if not await self.store.recommend(name, text, ev):
             raise NotFound(f"unknown node {name!r}")
 
+    # ------------------------------------------------------------------ recovery
+    async def drain(self, name: str, target: str, slo_s: float, reason: str,
+                    start_when_running: int = 0) -> list[types_pb2.RecoveryDecision]:
+        return await self.recovery.drain(name, target, slo_s, reason, start_when_running)
+
+    async def list_recoveries(self, node: str) -> list[controller_pb2.Recovery]:
+        return await self.recovery.list(node)
+
     # ------------------------------------------------------------------ events
     def _event(self, etype, node: str, switch_id: str = "", phase: int = 0,
                rec: types_pb2.SwitchRecord | None = None, detail: str = ""
@@ -557,6 +574,7 @@ class Controller:
                                          detail="lease expired")
                         if await self.store.expire(name, now, ev):
                             log.warning("controller.node_lost", node=name)
+                            self.spawn(self.recovery.recover_lost(name))
             except Unavailable as exc:
                 log.warning("controller.sweep_failed", error=str(exc))
 

@@ -343,6 +343,10 @@ class Store:
             p.xadd(self.k_events, {"e": to_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
             await self._call(p.execute())
 
+    async def clear_draining(self, name: str) -> None:
+        """A (re-)registered agent serves again: it restarted or was returned to service."""
+        await self._call(self.r.hdel(self.k_node(name), "draining"))
+
     async def put_recovery(self, request_id: str, record_json: str, now: float,
                            event: controller_pb2.Event) -> None:
         """One request's recovery record (replaced as it progresses) and its event, at once."""

@@ -84,8 +84,11 @@ def test_phase_order_matches_transaction():
 @pytest.mark.parametrize("mod,service,methods", [
     (controller_pb2, "Controller", {"Reconfigure", "Plan", "GetState", "ListNodes", "Watch", "Abort",
                                     "GetSwitch", "ListSwitches", "RegisterNode", "Heartbeat",
-                                    "GetTraffic", "RecordRecommendation"}),
-    (node_agent_pb2, "NodeAgent", {"Describe", "ExecuteSwitch", "AbortSwitch", "GetSwitch"}),
+                                    "GetTraffic", "RecordRecommendation", "DrainNode",
+                                    "ListRecoveries"}),
+    (node_agent_pb2, "NodeAgent", {"Describe", "ExecuteSwitch", "AbortSwitch", "GetSwitch",
+                                   "ListRequests", "MigrateRequest", "ImportRequest",
+                                   "SetDraining"}),
     (policy_pb2, "Policy", {"GetForecast", "GetRecommendation", "SetMode", "ListDecisions"}),
 ])
 def test_service_contract(mod, service, methods):
@@ -97,6 +100,8 @@ def test_service_contract(mod, service, methods):
 def test_streaming_methods():
     na = node_agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].methods_by_name
     assert na["ExecuteSwitch"].server_streaming and not na["Describe"].server_streaming
+    assert na["MigrateRequest"].server_streaming and not na["MigrateRequest"].client_streaming
+    assert na["ImportRequest"].server_streaming and na["ImportRequest"].client_streaming
     ctl = controller_pb2.DESCRIPTOR.services_by_name["Controller"].methods_by_name
     assert ctl["Watch"].server_streaming
 

@@ -10,10 +10,10 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class RecoveryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    RECOVERY_MODE_AUTO: _ClassVar[RecoveryMode]
+    RECOVERY_MODE_UNSPECIFIED: _ClassVar[RecoveryMode]
     RECOVERY_MODE_MIGRATE: _ClassVar[RecoveryMode]
     RECOVERY_MODE_RECOMPUTE: _ClassVar[RecoveryMode]
-RECOVERY_MODE_AUTO: RecoveryMode
+RECOVERY_MODE_UNSPECIFIED: RecoveryMode
 RECOVERY_MODE_MIGRATE: RecoveryMode
 RECOVERY_MODE_RECOMPUTE: RecoveryMode
 
