@@ -84,6 +84,7 @@ INTERNALS: list[tuple[str, str, str]] = [
      "worker RPCs resolve methods on the instance (STANDBY step override)"),
     ("vllm.v1.worker.gpu_worker", "Worker.execute_model", "STANDBY: replaced by a no-op step"),
     ("vllm.v1.worker.gpu_worker", "Worker.sample_tokens", "STANDBY: replaced by a no-op step"),
+    ("vllm.v1.outputs", "EMPTY_MODEL_RUNNER_OUTPUT", "STANDBY step's output (KV aggregator)"),
     ("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request", "pool shrink displaces"),
     ("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block", "pool resize"),
     ("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.get_all_free_blocks", "pool resize"),

@@ -170,10 +170,17 @@ class StandbyRunner:
         self.model = None
         self.intermediate_tensors = None
 
+    def shutdown(self) -> None:
+        return None
+
 
 def _standby_step(*_args, **_kwargs):
-    """A STANDBY worker's engine step: nothing to compute, nothing to send or receive."""
-    return None
+    """A STANDBY worker's engine step: nothing to compute, nothing to send or receive. An empty
+    output rather than None: with a KV connector installed vLLM's executor aggregates every
+    rank's output and requires one from each."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    return EMPTY_MODEL_RUNNER_OUTPUT
 
 
 def _is_standby(runner) -> bool:
