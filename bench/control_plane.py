@@ -27,10 +27,10 @@ spin ends). "low": the agent's session gets autogroup nice 19, so the engine onl
 control plane does not want — the situation of a controller on its own host. "equal": the
 agent's session as started (autogroup nice 0). "both" (default) interleaves the two over
 2 × --switches switches; the headline numbers are "low", the "equal" ones are reported beside
-them. Then the engine processes' CPU use is sampled while idle and for 1.5 s from the moment
-the client has SWITCH_DONE of one more switch (the spin shows as ≈ 2 CPUs busy for ≈ 1 s), and
-the CPU used by processes outside this benchmark during the measured switches is reported
-(other work on a shared machine).
+them. Then the engine processes' CPU use is sampled around one more switch: 0.5 s before it
+starts and 1.5 s from the end of the agent's record (the spin shows as ≈ 2 CPUs busy for ≈ 1 s
+while the engine has nothing to do), and the CPU used by processes outside this benchmark
+during the measured switches is reported (other work on a shared machine).
 
 Planning: --nodes nodes shaped like an 8-GPU H200 host serving a Llama-2-70B-shaped model (80
 layers, 8 KV heads, 64 heads, hidden 8192, bf16, 40k live blocks) are registered with the same
@@ -230,17 +230,43 @@ def own_tree() -> dict[int, psutil.Process]:
     return {p.pid: p for p in [me, *me.children(recursive=True)]}
 
 
-def engine_cpu_profile(agent: AgentProcess, seconds: float = 1.5, step: float = 0.1
-                       ) -> list[float]:
-    """CPUs busy in the agent's engine processes (engine core, workers) per ``step``."""
+def engine_cpu_around_a_switch(ctl: ControllerProcess, agent: AgentProcess, set_mode,
+                               step: float = 0.1, before: float = 0.5, after: float = 1.5
+                               ) -> tuple[str, list[float], list[float]]:
+    """One more switch (equal priority) while the agent's engine processes (engine core,
+    workers) are sampled: CPUs busy per ``step`` in the ``before`` s up to the agent's record
+    start, and in the ``after`` s from the record's end (the agent's own timestamps)."""
     procs = {p.pid: p for p in agent.descendants()}
-    out, last = [], cpu_s(procs)
-    for _ in range(int(round(seconds / step))):
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.time(), sum(cpu_s(procs).values())))
+            time.sleep(step / 4)
+    th = threading.Thread(target=sample)
+    th.start()
+    time.sleep(before + 0.2)
+    row = measure_overhead(ctl, ["equal"], set_mode)[0]
+    with grpc.insecure_channel(ctl.addr) as ch:
+        rec = ctl.stub(ch).GetSwitch(controller_pb2.GetSwitchRequest(switch_id=row["switch_id"]),
+                                     timeout=10)
+    end = _wall(rec.finished_at)
+    while time.time() < end + after + step:
         time.sleep(step)
-        cur = cpu_s(procs)
-        out.append(round(sum(cur[k] - last.get(k, cur[k]) for k in cur) / step, 2))
-        last = cur
-    return out
+    stop.set()
+    th.join()
+
+    def busy(t0: float, t1: float) -> float:
+        a = min(samples, key=lambda s: abs(s[0] - t0))
+        b = min(samples, key=lambda s: abs(s[0] - t1))
+        return round((b[1] - a[1]) / (b[0] - a[0]), 2) if b[0] > a[0] else 0.0
+
+    start = _wall(rec.started_at)
+    idle = [busy(start - before + i * step, start - before + (i + 1) * step)
+            for i in range(int(round(before / step)))]
+    spin = [busy(end + i * step, end + (i + 1) * step) for i in range(int(round(after / step)))]
+    return row["switch_id"], idle, spin
 
 
 def summary(rows: list[dict]) -> dict:
@@ -295,13 +321,10 @@ def main() -> int:
                 busy0, tree0, t0 = cpu_busy_s(), cpu_s(tree), time.monotonic()
                 rows = measure_overhead(ctl, modes, set_mode)
                 busy1, tree1, t1 = cpu_busy_s(), cpu_s(tree), time.monotonic()
-                # the engine's CPU use around one more switch (at equal priority): idle before,
-                # then from the moment the client has SWITCH_DONE
+                # the engine's CPU use around one more switch (at equal priority)
                 set_mode("equal")
                 time.sleep(1.5)
-                idle = engine_cpu_profile(agent, 0.5)
-                probe = measure_overhead(ctl, ["equal"], set_mode)[0]
-                spin = engine_cpu_profile(agent)
+                probe, idle, spin = engine_cpu_around_a_switch(ctl, agent, set_mode)
             planning = measure_planning(ctl, a.nodes) if a.nodes else {}
         finally:
             ctl.stop()
@@ -315,9 +338,9 @@ def main() -> int:
         **summary(by_mode[headline]),
         **({"equal_priority": summary(by_mode["equal"])}
            if headline == "low" and by_mode["equal"] else {}),
-        "engine_cpus_busy_idle": idle,
-        "engine_cpus_busy_after_switch_done": spin,
-        "engine_cpus_probe_switch": probe["switch_id"],
+        "engine_cpus_busy_before_switch": idle,
+        "engine_cpus_busy_after_switch": spin,
+        "engine_cpus_probe_switch": probe,
         "other_load_cpus": round(max(0.0, (busy1 - busy0) - ours) / (t1 - t0), 2),
         "per_switch": [{k: v for k, v in r.items() if k not in ("e2e_s", "engine_s")}
                        | {"e2e_ms": round(r["e2e_s"] * 1e3, 2),
@@ -342,8 +365,8 @@ def main() -> int:
         f"{sums[m]['e2e_p50_s']:>12.3f}{'':12}" for m in cols))
     print(f"{'agent-reported switch (s)':36}" + "".join(
         f"{sums[m]['engine_p50_s']:>12.3f}{'':12}" for m in cols))
-    print(f"engine processes, CPUs busy per 0.1 s: idle {idle}; from SWITCH_DONE of one more "
-          f"switch {spin}")
+    print(f"engine processes, CPUs busy per 0.1 s: before a switch {idle}; from the end of the "
+          f"agent's switch record {spin}")
     print(f"other work on this machine during the switches: {result['other_load_cpus']} CPUs")
     if planning:
         print(f"{'plan 1000 nodes (ms, pure, cold)':36}{result['plan_1000_nodes_ms']:>12.1f}"
