@@ -116,12 +116,18 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
         async with httpx.AsyncClient(timeout=600) as c:
             # The agent's test-only start gate holds the switch until the engine has both
             # requests decoding: on 2 busy cores grpcurl → controller → agent takes seconds
-            # mid-decode, so the switch is requested first and the streams start after.
+            # mid-decode, so the switch is requested first and the streams start once the
+            # agent holds it (the controller dispatches after it answers).
             r = await asyncio.to_thread(
                 grpcurl, "-plaintext", "-H", f"authorization: Bearer {TOKEN}", "-d",
                 json.dumps({"node": NODE, "target": {"tp": 1, "pp": 2}, "request_id": "grpcurl-1",
                             "reason": "e2e", "test_start_when_running": len(PROMPTS)}),
                 ctl.addr, "remp.controller.v1.Controller/Reconfigure")
+            sid = (json.loads(r.stdout or "{}").get("switchId") if r.returncode == 0 else None)
+            deadline = time.monotonic() + 60
+            while sid and await asyncio.to_thread(agent_record, agent, sid) is None:
+                assert time.monotonic() < deadline, "the agent never received the switch"
+                await asyncio.sleep(0.05)
             tasks = [asyncio.create_task(stream_completion(c, agent.http, p, MAX_TOKENS))
                      for p in PROMPTS]
             return await asyncio.gather(*tasks), r

@@ -118,6 +118,13 @@ def test_killed_agent_requests_are_recomputed_elsewhere(stack, tiny_model, artif
     c = AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-c",
                      extra=["--no-world-changes", "--request-migration", "--controller", ctl.addr,
                             "--controller-token", TOKEN, "--heartbeat-seconds", "0.5"])
+    try:
+        _lose_agent_c(r, ctl, c, texts, ref, artifacts_dir)
+    finally:
+        c.stop()  # reaps the killed process group, closes its log
+
+
+def _lose_agent_c(r, ctl, c, texts, ref, artifacts_dir):
     c.start().wait_ready()
     ctl.wait_node_ready("drain-c")
     rds = redis.Redis.from_url(r.url, decode_responses=True)
