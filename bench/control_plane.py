@@ -60,7 +60,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from controller.planner import NodeFacts, _moves, plan_switch  # noqa: E402
+from controller.planner import NodeFacts, _moves, _shard_layout, plan_switch  # noqa: E402
 from remp.agentproc import AgentProcess, ControllerProcess, free_port  # noqa: E402
 from remp.common.v1 import types_pb2  # noqa: E402
 from remp.controller.v1 import controller_pb2  # noqa: E402
@@ -183,11 +183,12 @@ def measure_planning(ctl: ControllerProcess, nodes: int) -> dict:
     facts = [NodeFacts(ModelShape(80, 64, 8, 8192, 128), 8,
                        tuple(Topology(t, 8 // t) for t in (1, 2, 4, 8)), 138_000_000_000,
                        16 * 2 * 128 * 2, 40_000, 360e9, 50e9) for _ in regs]
-    # cold: the planner's per-shape cache cleared before every node (a fleet of 1000 different
+    # cold: the planner's per-shape caches cleared before every node (a fleet of 1000 different
     # models); warm: one model everywhere, as fleets usually are
     t = time.perf_counter()
     for f in facts:
         _moves.cache_clear()
+        _shard_layout.cache_clear()
         plan_switch(f, Topology(1, 8), Topology(4, 2))
     cold_ms = (time.perf_counter() - t) * 1e3
     t = time.perf_counter()
