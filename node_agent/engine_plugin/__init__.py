@@ -28,6 +28,7 @@ from typing import Any
 
 PINNED_VLLM_VERSION = "0.32.0"
 WORKER_EXTENSION = "node_agent.engine_plugin.worker_side.RempWorkerExtension"
+WORKER_SPIN_ENV = "REMP_WORKER_SPIN_SECONDS"  # --worker-spin-seconds, for every vLLM process
 
 # (module, attribute path, what remp uses it for). check_internals() resolves each one.
 INTERNALS: list[tuple[str, str, str]] = [
@@ -91,6 +92,22 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.append_n", "pool growth"),
     ("vllm.v1.core.kv_cache_utils", "KVCacheBlock", "pool growth"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "a request's blocks"),
+    # request migration: the client's stream on the source continues with the target's tokens
+    ("vllm.v1.engine.core_client", "AsyncMPClient.abort_requests_async",
+     "take a migrated request out of the engine core only (its front-end state stays)"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs",
+     "relay the continuation into the client's stream"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.abort_requests",
+     "end a request that could not move"),
+    ("vllm.v1.engine.output_processor", "RequestOutputCollector.put",
+     "a retryable error into the client's stream"),
+    ("vllm.v1.engine", "EngineCoreOutput", "relayed tokens"),
+    ("vllm.v1.engine", "FinishReason", "relayed finish"),
+    ("vllm.exceptions", "GracefulHTTPError", "503 to the client (AsyncLLM.generate re-raises it)"),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__",
+     "--worker-spin-seconds: readers' busy-wait after each message (busy_loop_s)"),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SHM_READER_RECHECK_INTERVAL_MS",
+     "--worker-spin-seconds: a sleeping reader's re-check (lost notifications)"),
 ]
 # Attributes read on live objects (not importable); checked by the e2e internals test.
 ENGINE_CORE_ATTRS = ("scheduler", "model_executor", "vllm_config", "batch_queue",
@@ -246,6 +263,7 @@ class EngineHandle:
         self.args: argparse.Namespace | None = None
         self._http_server = None
         self.draining_retry_after = 0  # > 0: the OpenAI API answers new requests with 503
+        self.retry_after_hint = 1  # Retry-After on a 503 from fail_request
         self._sampling: dict[str, Any] = {}  # request id -> SamplingParams (the journal)
 
     def parse_args(self) -> argparse.Namespace:
@@ -400,12 +418,16 @@ class EngineHandle:
         (``info``: its :meth:`list_requests` entry, exact while paused) returns ``(decision,
         with_kv)`` or ``(decision, None)`` to drop it without exporting. Then its state — and,
         ``with_kv``, its KV as one payload file in ``workdir`` (per global layer ``L<i>``: its
-        blocks × all KV heads) — is exported, the request aborted here, generation resumed.
+        blocks × all KV heads) — is exported, the request aborted in the engine core, generation
+        resumed. The front end keeps the request: its client's stream stays open for
+        :meth:`relay` (tokens generated elsewhere) and ends with :meth:`relay`'s finish or
+        :meth:`fail_request` — the caller must call one of them.
         Returns ``(decision, state or None)``. The caller serialises engine-exclusive work."""
         import time
 
         prefix = os.path.join(workdir, f"export-{request_id}")
         t0 = time.perf_counter()
+        taken = False
         await self.pause()
         try:
             infos = {r["request_id"]: r for r in await self.list_requests()}
@@ -415,16 +437,62 @@ class EngineHandle:
             state = None
             if with_kv is not None:
                 state = await self.utility("remp_export_request", request_id, prefix, with_kv)
-            await self.engine.abort(request_id, internal=True)
+            await self.engine.engine_core.abort_requests_async([request_id])
+            taken = True
         finally:
             await self.resume()
         if state is None:
             return decision, None
         state["paused_seconds"] = time.perf_counter() - t0
-        if with_kv:
-            state["payload"] = self._merge_export(state.pop("files"), prefix + ".safetensors")
-            state["kv_bytes"] = os.path.getsize(state["payload"])
+        try:
+            if with_kv:
+                state["payload"] = self._merge_export(state.pop("files"),
+                                                      prefix + ".safetensors")
+                state["kv_bytes"] = os.path.getsize(state["payload"])
+        except Exception:
+            if taken:  # out of the engine, nothing to send: its client must not wait forever
+                self.fail_request(request_id, f"request {request_id} could not be exported; "
+                                  "retry")
+            raise
         return decision, state
+
+    def relay(self, request_id: str, token_ids: list[int], finish_reason: str = "") -> bool:
+        """Tokens of a request taken out by :meth:`take_out` and continued elsewhere, fed to this
+        front end as if its engine core had produced them: detokenized, stop strings checked,
+        streamed to the waiting client. ``finish_reason`` ("length", "stop", …) ends it.
+        Returns whether the client still waits for more (False once it finished here — a stop
+        string, the end — or its client went away)."""
+        from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+        op = self.engine.output_processor
+        if request_id not in op.request_states:
+            return False
+        reason = (FinishReason.__members__.get(finish_reason.upper(), FinishReason.ABORT)
+                  if finish_reason else None)
+        if not token_ids and reason is None:
+            return True
+        op.process_outputs([EngineCoreOutput(request_id=request_id,
+                                             new_token_ids=list(token_ids),
+                                             finish_reason=reason)])
+        return request_id in op.request_states
+
+    def fail_request(self, request_id: str, message: str, retry_after: int = 1) -> bool:
+        """End a request held by the front end with a retryable error: HTTP 503 with
+        Retry-After if its response has not started (non-streaming), an error event on its
+        stream otherwise. Returns False if the front end no longer had it."""
+        from http import HTTPStatus
+
+        from vllm.exceptions import GracefulHTTPError
+
+        op = self.engine.output_processor
+        st = op.request_states.get(request_id)
+        if st is None:
+            return False
+        self.retry_after_hint = max(1, int(retry_after))
+        if st.queue is not None:  # an exception wins over any output put after it
+            st.queue.put(GracefulHTTPError(message, HTTPStatus.SERVICE_UNAVAILABLE))
+        op.abort_requests([request_id], internal=True)
+        return True
 
     @staticmethod
     def _merge_export(files: list[str], out: str) -> str:
@@ -470,7 +538,8 @@ class EngineHandle:
 
 
 class _DrainingMiddleware:
-    """While the node drains, new inference requests get 503 with Retry-After (ASGI)."""
+    """While the node drains, new inference requests get 503 with Retry-After; every other 503
+    (a request that could not move, :meth:`EngineHandle.fail_request`) gets Retry-After (ASGI)."""
 
     def __init__(self, app, handle: EngineHandle):
         self.app, self.handle = app, handle
@@ -489,7 +558,20 @@ class _DrainingMiddleware:
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_retry_after(message):
+            # a request that could not move (fail_request) answers 503: say when to retry
+            if message["type"] == "http.response.start" and message.get("status") == 503:
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    wait = self.handle.draining_retry_after or self.handle.retry_after_hint
+                    headers.append((b"retry-after", str(max(1, wait)).encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+        await self.app(scope, receive, send_with_retry_after)
 
 
 def vllm_version() -> str:

@@ -121,8 +121,12 @@ class NodeAgentServicer:
         """Move one running request to another node agent (the source side): pause the engine for a
         moment, decide MIGRATE (send its KV) or RECOMPUTE (re-prefill on the target) by the cost
         model unless the mode forces one, take the request out of this engine, resume, hand it to
-        the target's ImportRequest and relay its continuation. The first event carries the
-        decision; an ABORT decision (SLO infeasible) ends the stream with it. NOT_FOUND for an
+        the target's ImportRequest and relay its continuation — into the request's own client
+        stream on this node (its OpenAI response continues as if nothing moved) and to the caller.
+        The continuation is the agent's, not the caller's: a caller that goes away does not stop
+        it. The first event carries the decision; an ABORT decision (SLO infeasible) ends the
+        stream with it and the client gets a retryable error (HTTP 503 + Retry-After, or an error
+        event on its stream), as it does when the target fails mid-way. NOT_FOUND for an
         unknown request, FAILED_PRECONDITION while a switch runs or when it is not running,
         UNAVAILABLE when the target cannot be reached (the request then stays here).
         """
