@@ -66,7 +66,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE = "bench-cp"
 sys.path.insert(0, str(ROOT))
 
-from controller.planner import NodeFacts, _moves, _shard_layout, plan_switch  # noqa: E402
+from controller.planner import (NodeFacts, _kv_summary, _moves, _shard_layout,  # noqa: E402
+                                plan_switch)
 from remp.agentproc import AgentProcess, ControllerProcess, free_port  # noqa: E402
 from remp.common.v1 import types_pb2  # noqa: E402
 from remp.controller.v1 import controller_pb2  # noqa: E402
@@ -200,6 +201,7 @@ def measure_planning(ctl: ControllerProcess, nodes: int) -> dict:
     t = time.perf_counter()
     for f in facts:
         _moves.cache_clear()
+        _kv_summary.cache_clear()
         _shard_layout.cache_clear()
         plan_switch(f, Topology(1, 8), Topology(4, 2))
     cold_ms = (time.perf_counter() - t) * 1e3

@@ -116,6 +116,22 @@ def _moves(old: Topology, new: Topology, num_layers: int, num_kv_heads: int
 
 
 @functools.lru_cache(maxsize=4096)
+def _kv_summary(old: Topology, new: Topology, num_layers: int, num_kv_heads: int
+                ) -> tuple[tuple[tuple[int, int, int, int, tuple[int, ...], int], ...], int, int]:
+    """The moves as (src, dst, head lo, head hi, layers, units), units = layers × heads (bytes
+    = units × a node's bytes per block-head × live blocks), plus the busiest rank's units (sent
+    or received) and the total: all the plan's KV arithmetic that depends only on the shapes."""
+    moves, per_rank_out, per_rank_in = [], defaultdict(int), defaultdict(int)
+    for (src, dst, lo, hi), layers in _moves(old, new, num_layers, num_kv_heads):
+        units = len(layers) * (hi - lo)
+        moves.append((src, dst, lo, hi, layers, units))
+        per_rank_out[src] += units
+        per_rank_in[dst] += units
+    busiest = max([*per_rank_out.values(), *per_rank_in.values(), 0])
+    return tuple(moves), busiest, sum(m[5] for m in moves)
+
+
+@functools.lru_cache(maxsize=4096)
 def _shard_layout(target: Topology, num_layers: int, num_kv_heads: int
                   ) -> tuple[tuple[int, tuple[int, ...], int], ...]:
     """(rank, layers, tp rank) of every rank of ``target``; depends only on the shapes."""
@@ -141,14 +157,11 @@ def plan_switch(facts: NodeFacts, current: Topology, target: Topology,
     # KV: group the slices of one (src, dst, head range) over layers; local copies move no bytes
     # between workers and are left out of the transfer list.
     per_block = facts.kv_bytes_per_block_head * facts.live_blocks
-    sent: dict[int, int] = defaultdict(int)
-    received: dict[int, int] = defaultdict(int)
-    for (src, dst, lo, hi), layers in _moves(current, target, s.num_layers, s.num_kv_heads):
-        nbytes = len(layers) * (hi - lo) * per_block
-        plan.transfers.append(Transfer(src, dst, layers, lo, hi, nbytes))
-        sent[src] += nbytes
-        received[dst] += nbytes
-    plan.kv_bytes_total = sum(t.kv_bytes for t in plan.transfers)
+    moves, busiest_units, total_units = _kv_summary(current, target, s.num_layers,
+                                                    s.num_kv_heads)
+    plan.transfers = [Transfer(src, dst, layers, lo, hi, units * per_block)
+                      for src, dst, lo, hi, layers, units in moves]
+    plan.kv_bytes_total = total_units * per_block
     # Weights: every rank of the target loads its (layers, tp slice) from the host weight store.
     per_layer_rank = facts.weight_bytes / s.num_layers / target.tp
     plan.shard_loads = [ShardLoad(rank, layers, tp_rank, target.tp,
@@ -160,8 +173,7 @@ def plan_switch(facts: NodeFacts, current: Topology, target: Topology,
     # one shared source (PCIe / memory bandwidth), so reload time uses the total.
     kv_bw = facts.kv_bandwidth_bps or DEFAULT_KV_BANDWIDTH_BPS
     w_bw = facts.weight_bandwidth_bps or DEFAULT_WEIGHT_BANDWIDTH_BPS
-    busiest = max([*sent.values(), *received.values(), 0])
-    kv_s = busiest / kv_bw
+    kv_s = busiest_units * per_block / kv_bw
     reload_s = plan.weight_bytes_total / w_bw
     hist = history or {}
     for ph, default in DEFAULT_FIXED_PHASE_S.items():
