@@ -63,18 +63,13 @@ def call(ctl, method, req, timeout=60):
         return getattr(ctl.stub(ch), method)(req, metadata=ctl.metadata(), timeout=timeout)
 
 
-async def chunks(client, http, text, max_tokens, out: list):
-    """Stream one greedy completion; each non-empty text chunk goes into ``out``."""
-    await stream_completion(client, http, text, max_tokens, pieces=out)
-
-
 def reference(http, texts, max_tokens=None):
     async def go():
         async with httpx.AsyncClient(timeout=300) as c:
             res = []
             for t in texts:
                 out: list[str] = []
-                await chunks(c, http, t, max_tokens or MAX_TOKENS, out)
+                await stream_completion(c, http, t, max_tokens or MAX_TOKENS, pieces=out)
                 res.append(out)
             return res
     return asyncio.run(go())
@@ -124,7 +119,7 @@ def _lose_agent_c(r, ctl, c, texts, ref, artifacts_dir):
     async def go():
         async with httpx.AsyncClient(timeout=300) as client:
             outs = [[] for _ in texts]
-            tasks = [asyncio.create_task(chunks(client, c.http, t, MAX_TOKENS, o))
+            tasks = [asyncio.create_task(stream_completion(client, c.http, t, MAX_TOKENS, pieces=o))
                      for t, o in zip(texts, outs)]
             # kill once a heartbeat journal holds both requests mid-decode
             deadline = time.monotonic() + 60
@@ -183,7 +178,8 @@ def test_drain_moves_running_requests_and_refuses_new_ones(stack):
                     test_start_when_running=len(texts)), 180))
             await asyncio.sleep(0.3)
             outs = [[] for _ in texts]
-            tasks = [asyncio.create_task(chunks(client, a.http, t, DRAIN_TOKENS, o))
+            tasks = [asyncio.create_task(stream_completion(client, a.http, t, DRAIN_TOKENS,
+                                                            pieces=o))
                      for t, o in zip(texts, outs)]
             resp = await drain
             late = await client.post(f"{a.http}/v1/completions", json={

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -64,11 +65,12 @@ def reference(agents):
     return asyncio.run(go())
 
 
-def migrate(a, b, text=PROMPT, stream=True, **kw):
-    """Send PROMPT to A; once the engine has it decoding (≥ 10 tokens), A migrates it to B.
-    Returns (what A's client received — streamed text, or the non-streaming response —,
-    continuation from B as the MigrateRequest caller saw it, decision, first continuation
-    event, error events on A's stream)."""
+def migrate(a, b, text=PROMPT, stream=True, rpc_errors=None, **kw):
+    """Send PROMPT to A; once the engine has it decoding (≥ 10 tokens), A migrates it to B (any
+    object with a ``grpc_addr``). Returns (what A's client received — streamed text, or the
+    non-streaming response —, continuation from B as the MigrateRequest caller saw it, decision,
+    first continuation event, error events on A's stream). A failed MigrateRequest raises, or
+    with ``rpc_errors`` (a list) its status code goes there."""
     async def go():
         async with httpx.AsyncClient(timeout=300) as c, grpc.aio.insecure_channel(a.grpc_addr) as ch:
             call = node_agent_pb2_grpc.NodeAgentStub(ch).MigrateRequest(pb.MigrateRequestRequest(
@@ -81,12 +83,17 @@ def migrate(a, b, text=PROMPT, stream=True, **kw):
                     "model": "tiny", "prompt": text, "max_tokens": MAX_TOKENS,
                     "temperature": 0.0, "ignore_eos": True}))
             cont, decision, first = "", None, None
-            async for ev in call:
-                if ev.HasField("decision"):
-                    decision = ev.decision
-                if first is None and (ev.text or ev.finished):
-                    first = ev
-                cont += ev.text
+            try:
+                async for ev in call:
+                    if ev.HasField("decision"):
+                        decision = ev.decision
+                    if first is None and (ev.text or ev.finished):
+                        first = ev
+                    cont += ev.text
+            except grpc.aio.AioRpcError as exc:
+                if rpc_errors is None:
+                    raise
+                rpc_errors.append(exc.code())
             return await client, cont, decision, first, errors
     return asyncio.run(go())
 
@@ -223,26 +230,13 @@ def test_target_failing_mid_relay_ends_the_client_with_a_retryable_error(agents,
     node_agent_pb2_grpc.add_NodeAgentServicer_to_server(_TargetThatDies(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    codes: list = []
     try:
-        async def go():
-            async with httpx.AsyncClient(timeout=300) as c, \
-                    grpc.aio.insecure_channel(a.grpc_addr) as ch:
-                call = node_agent_pb2_grpc.NodeAgentStub(ch).MigrateRequest(
-                    pb.MigrateRequestRequest(target_address=f"127.0.0.1:{port}",
-                                             target_node="dies", test_wait_output_tokens=10,
-                                             mode=pb.RECOVERY_MODE_RECOMPUTE))
-                await asyncio.sleep(0.2)
-                errors: list = []
-                client = asyncio.create_task(stream_completion(c, a.http, PROMPT, MAX_TOKENS,
-                                                               errors=errors))
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    async for _ in call:
-                        pass
-                return await client, errors, e.value.code()
-        got, errors, code = asyncio.run(go())
+        got, _, _, _, errors = migrate(a, SimpleNamespace(grpc_addr=f"127.0.0.1:{port}"),
+                                       mode=pb.RECOVERY_MODE_RECOMPUTE, rpc_errors=codes)
     finally:
         server.stop(0)
-    assert code == grpc.StatusCode.UNAVAILABLE
+    assert codes == [grpc.StatusCode.UNAVAILABLE]
     assert len(errors) == 1 and errors[0]["code"] == 503, errors
     assert got and len(got) < len(reference)
     assert asyncio.run(_one(a, PROMPT)) == reference  # A keeps serving
