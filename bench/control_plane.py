@@ -66,12 +66,13 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE = "bench-cp"
 sys.path.insert(0, str(ROOT))
 
-from controller.planner import (NodeFacts, _kv_summary, _moves, _shard_layout,  # noqa: E402
+from controller.planner import (NodeFacts, clear_shape_caches,  # noqa: E402
                                 plan_switch)
-from remp.agentproc import AgentProcess, ControllerProcess, free_port  # noqa: E402
+from devstack.agentproc import (AgentProcess, ControllerProcess, ensure_credentials,  # noqa: E402
+                            free_port)
 from remp.common.v1 import types_pb2  # noqa: E402
 from remp.controller.v1 import controller_pb2  # noqa: E402
-from remp.modelgen import make_model  # noqa: E402
+from devstack.modelgen import make_model  # noqa: E402
 from remp.redisproc import RedisServer  # noqa: E402
 from remp.topology import ModelShape, Topology  # noqa: E402
 
@@ -200,9 +201,7 @@ def measure_planning(ctl: ControllerProcess, nodes: int) -> dict:
     # models); warm: one model everywhere, as fleets usually are
     t = time.perf_counter()
     for f in facts:
-        _moves.cache_clear()
-        _kv_summary.cache_clear()
-        _shard_layout.cache_clear()
+        clear_shape_caches()
         plan_switch(f, Topology(1, 8), Topology(4, 2))
     cold_ms = (time.perf_counter() - t) * 1e3
     t = time.perf_counter()
@@ -325,6 +324,7 @@ def main() -> int:
             logs = a.log_dir
             logs.mkdir(parents=True, exist_ok=True)
         model = make_model(logs / "tiny-llama")
+        ensure_credentials(Path(tmp))
         ctl = ControllerProcess(redis.url, log_dir=logs, name="ctl-bench")
         ctl.start().wait_ready()
         agent = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=logs, node=NODE,
@@ -380,7 +380,7 @@ def main() -> int:
     }
     cols = [m for m in MODES if by_mode[m]]
     sums = {m: summary(by_mode[m]) for m in cols}
-    print(f"\nremp control plane — TP2PP1↔TP1PP2 (tiny model, CPU), engine priority: "
+    print("\nremp control plane — TP2PP1↔TP1PP2 (tiny model, CPU), engine priority: "
           + ", ".join(f"{m} ({len(by_mode[m])} switches)" for m in cols)
           + (f"; {result['plan_nodes']} H200x8 nodes registered" if planning else ""))
     print(f"{'':36}" + "".join(f"{m + ' p50':>18}{m + ' p99':>18}" for m in cols))

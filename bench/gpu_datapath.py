@@ -13,7 +13,7 @@ One process, one GPU. In order:
    destinations poisoned with NaN first, every element checked against the source after;
 3. KV migration: vLLM's GPU (flash) KV layout per layer [2, blocks, block_size, kv_heads, head]
    for the same shapes; the project's plan (``remp.kvplan``) executed by the project's executor
-   (``node_agent.kv_migration.migrate_kv``), one thread and one CUDA stream per emulated rank,
+   (``node_agent.kv.migrate.migrate_kv``), one thread and one CUDA stream per emulated rank,
    ranks' buffers as separate allocations on the one GPU, ``LocalTransport`` between them. Each
    unordered pair {A, B} runs A→B (poisoned, checked, memory traced), B→A and A→B (timed),
    B→A (poisoned, checked, traced), and the two directions again with a staging limit (chunked);
@@ -50,8 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from node_agent import kv_migration as kvm  # noqa: E402
-from node_agent.kv_migration import LocalTransport, migrate_kv, migrate_kv_reference  # noqa: E402
+from node_agent.kv import common as kvc  # noqa: E402
+from node_agent.kv import executor_direct as kvd  # noqa: E402
+from node_agent.kv.executor_collective import migrate_kv_reference  # noqa: E402
+from node_agent.kv.migrate import migrate_kv  # noqa: E402
+from node_agent.kv.transport import LocalTransport  # noqa: E402
 from node_agent.weight_store import (MappedStore, ShardLoader, WeightStore,  # noqa: E402
                                      llama_shard_pieces)
 from remp.kvplan import RankView, migration_plan  # noqa: E402
@@ -614,7 +617,7 @@ def migrate_leg(case: KVCase, old: Topology, new: Topology, layers, streams, *, 
 
 def kv_pair(case, A, B, streams, trace, ceil_copy, variants=("unlimited", "reference", "direct")) -> list[dict]:
     """Legs over {A, B}; returns one record per direction. The executor's default (staging limit
-    ``"auto"`` = ``kv_migration.STAGING_FRACTION`` of a layer): A→B poisoned, checked and memory
+    ``"auto"`` = ``node_agent.kv.common.STAGING_FRACTION`` of a layer): A→B poisoned, checked and memory
     traced; B→A and A→B timed; B→A poisoned, checked, traced. ``unlimited`` (no staging limit):
     both directions poisoned/checked/traced, then both timed. ``reference`` (the first executor,
     no limit): both directions timed, the live blocks checked after. ``direct`` (the single-pass
@@ -715,7 +718,7 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
     for name, tokens, which in plan:
         topos = TOPOS if which == "all" else X8
         case = KVCase(models[name], tokens, dev)
-        chunk = int(case.layer_bytes * kvm.STAGING_FRACTION)
+        chunk = int(case.layer_bytes * kvc.STAGING_FRACTION)
         variants = tuple(v for v in args.kv_variants.split(",") if v)
         rows, skipped = [], []
         log(f"[kv {name} {tokens} tokens, {which}] one layer {case.layer_bytes / GB:.3f} GB, "
@@ -749,8 +752,8 @@ def bench_kv(models, dev, args, budget, report, ceil_copy, streams):
         runs.append({"model": name, "tokens": tokens, "pairs": which, "num_blocks": case.NB, "layers": case.L,
                      "live_blocks": int(case.ids.numel()), "block_size": BLOCK_SIZE,
                      "one_layer_kv_bytes": case.layer_bytes, "all_layers_kv_bytes": case.layer_bytes * case.L,
-                     "staging_fraction": kvm.STAGING_FRACTION, "staging_limit_bytes": chunk,
-                     "run_copy_max_runs": kvm.RUN_COPY_MAX_RUNS, "runs_of_consecutive_ids": len(kvm._run_starts(case.ids.cpu())) + 1,
+                     "staging_fraction": kvc.STAGING_FRACTION, "staging_limit_bytes": chunk,
+                     "run_copy_max_runs": kvc.RUN_COPY_MAX_RUNS, "runs_of_consecutive_ids": len(kvc.run_starts(case.ids.cpu())) + 1,
                      "variants": list(variants), "rows": rows, "skipped": skipped, "errors": errors})
         if skipped:
             runs[-1]["skipped_reason"] = "time budget"
@@ -861,7 +864,7 @@ def bench_host_cost(cfg, dev, args, streams) -> dict:
 
     case = KVCase(cfg, args.small_tokens if args.small else 10000, dev)
     H = case.H
-    idmap = kvm._IdMap(case.ids, None)
+    idmap = kvc.IdMap(case.ids, None)
     src = case.exec_view(torch.randn(case.shape(H), device=dev, dtype=DTYPE))
     dst = case.exec_view(torch.empty(case.shape(H // 8), device=dev, dtype=DTYPE))
     out: dict = {"tokens": case.tokens, "per_call_us": {}}
@@ -882,11 +885,11 @@ def bench_host_cost(cfg, dev, args, streams) -> dict:
         out["per_call_us"][name] = us
         log(f"[host cost] {name:<60} {us:8.1f} µs per call")
 
-    per_call("direct pull of one layer slice (kv_migration._pull)", lambda: kvm._pull([(src, 0, 0, H // 8)], dst, idmap))
-    if dev.type == "cuda" and kvm._PLANS:
-        plan = list(kvm._PLANS.values())[-1]
+    per_call("direct pull of one layer slice (kv_migration._pull)", lambda: kvd._pull([(src, 0, 0, H // 8)], dst, idmap))
+    if dev.type == "cuda" and kvd._PLANS:
+        plan = list(kvd._PLANS.values())[-1]
         sids, dids = idmap.on(dev)
-        kernel = kvm._TRITON[1]
+        kernel = kvd._TRITON[1]
         per_call("  of which the Triton launch alone", lambda: kernel[(idmap.n, 1)](
             dst, *([src] * 8), plan.tab, plan.roff_s, plan.roff_d, sids, dids, **plan.meta))
         ev = torch.cuda.Event()
@@ -922,7 +925,7 @@ def bench_host_cost(cfg, dev, args, streams) -> dict:
     lay, _ = migrate_leg(case, A, B, lay, streams, poison=False, trace=None, direct=True)
     lay, _ = migrate_leg(case, B, A, lay, streams, poison=False, trace=None, direct=True)
     prof = cProfile.Profile()
-    orig = kvm._migrate_direct
+    orig = kvd.migrate_direct
 
     def profiled(rank, *a, **k):
         if rank != 3:
@@ -932,11 +935,11 @@ def bench_host_cost(cfg, dev, args, streams) -> dict:
             return orig(rank, *a, **k)
         finally:
             prof.disable()
-    kvm._migrate_direct = profiled
+    kvd.migrate_direct = profiled
     try:
         lay, info = migrate_leg(case, A, B, lay, streams, poison=False, trace=None, direct=True)
     finally:
-        kvm._migrate_direct = orig
+        kvd.migrate_direct = orig
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
     out["profile_rank3_of_8"] = {"leg_ms": info["seconds"] * 1e3, "host_cpu_ms_sum": info["host_cpu_s_sum"] * 1e3,
@@ -958,8 +961,8 @@ def bench_kv_ops(cfg, dev, args) -> dict:
     case = KVCase(cfg, args.ops_tokens if not args.small else args.small_tokens, dev)
     H, ids = case.H, case.ids
     ids_host = ids.cpu()
-    starts = kvm._run_starts(ids_host)
-    runs = kvm._Runs(ids_host.tolist(), starts, 0, ids.numel())
+    starts = kvc.run_starts(ids_host)
+    runs = kvc.Runs(ids_host.tolist(), starts, 0, ids.numel())
     base = torch.randn(case.shape(H), device=dev, dtype=DTYPE)      # [2, NB, BS, H, D] storage
     ex = case.exec_view(base)                                          # [NB, H, 2, BS, D] executor view
     out: dict = {"model_layer": f"{cfg['num_key_value_heads']} KV heads × {case.NB} blocks × {BLOCK_SIZE}",
@@ -972,7 +975,7 @@ def bench_kv_ops(cfg, dev, args) -> dict:
                            "note": note})
         log(f"[kv ops] {name:<58} {nbytes_moved / GB:6.2f} GB {t * 1e3:8.2f} ms {nbytes_moved / t / GB:8.1f} GB/s")
 
-    perm = kvm._memory_order(ex)
+    perm = kvc.memory_order(ex)
     for h in (H, H // 2, H // 8):
         part = ex[ids, 0:h]
         nb = nbytes(part)
@@ -987,14 +990,14 @@ def bench_kv_ops(cfg, dev, args) -> dict:
         flat = torch.empty(nb, dtype=torch.uint8, device=dev)
         src_flat = torch.randn(nb // 2, device=dev, dtype=DTYPE).view(torch.uint8)
         rec(f"plain contiguous copy, same bytes ({h} heads)", lambda flat=flat, s=src_flat: flat.copy_(s), nb)
-        nperm = kvm._memory_order(nex)
+        nperm = kvc.memory_order(nex)
         for wide in (16, 8):
-            kvm._MAX_WIDE_BYTES = wide
+            kvc._MAX_WIDE_BYTES = wide
             try:
-                sv = kvm._SliceView(ex, perm, 0, h)
-                dv = kvm._SliceView(nex, nperm, 0, h)
+                sv = kvc.SliceView(ex, perm, 0, h)
+                dv = kvc.SliceView(nex, nperm, 0, h)
             finally:
-                kvm._MAX_WIDE_BYTES = 16
+                kvc._MAX_WIDE_BYTES = 16
             buf = flat.view(sv.m.dtype).view(sv.buffer_shape(ids.numel()))
             dbuf = flat.view(dv.m.dtype).view(dv.buffer_shape(ids.numel()))
             rec(f"new gather index_select, {sv.m.element_size()}-byte elements, {h} heads",
@@ -1007,8 +1010,8 @@ def bench_kv_ops(cfg, dev, args) -> dict:
             def put(dv=dv, dbuf=dbuf, idx=idx):
                 dv.m[idx] = dbuf
             rec(f"new scatter index_put_, {dv.m.element_size()}-byte elements, {h} heads", put, nb)
-        kvm._MAX_WIDE_BYTES = 16
-        sv = kvm._SliceView(ex, perm, 0, h)
+        kvc._MAX_WIDE_BYTES = 16
+        sv = kvc.SliceView(ex, perm, 0, h)
         buf = flat.view(sv.m.dtype).view(sv.buffer_shape(ids.numel()))
         rec(f"new gather, one strided copy per run ({runs.count} runs), {h} heads",
             lambda sv=sv, buf=buf: [buf.narrow(sv.pb, o, n).copy_(sv.m.narrow(sv.pb, b0, n))
@@ -1023,31 +1026,31 @@ def bench_kv_ops(cfg, dev, args) -> dict:
 
 
 def direct_ops(case: KVCase, ex: torch.Tensor, rec, dev) -> dict:
-    """The direct path's pull (``kv_migration._pull``: one launch per receiving rank and layer)
+    """The direct path's pull (``node_agent.kv.executor_direct._pull``: one launch per receiving rank and layer)
     on one layer, timed alone: a receiver of h heads pulling them from one full-layer source, and a
     TP1 receiver pulling all heads from 8 TP8 sources in one launch; each checked bit for bit."""
     H, ids = case.H, case.ids
-    idmap = kvm._IdMap(ids, None)
+    idmap = kvc.IdMap(ids, None)
     res: dict = {"kernel": None, "ok": True}
     for h in (H, H // 8):
         t = torch.full(case.shape(h), float("nan"), device=dev, dtype=DTYPE)
         nex = case.exec_view(t)
-        res["kernel"], _ = kvm._pull([(ex, 0, 0, h)], nex, idmap)
+        res["kernel"], _ = kvd._pull([(ex, 0, 0, h)], nex, idmap)
         res["ok"] &= torch.equal(nex[ids].view(torch.int16), ex[ids, 0:h].view(torch.int16))
         nb = nbytes(nex[ids])
         rec(f"direct pull ({res['kernel']}), 1 source → {h} heads, one launch",
-            lambda nex=nex, h=h: kvm._pull([(ex, 0, 0, h)], nex, idmap), nb, "single pass: read once, write once")
-        plan = list(kvm._PLANS.values())[-1] if res["kernel"] == "triton" and kvm._PLANS else None
+            lambda nex=nex, h=h: kvd._pull([(ex, 0, 0, h)], nex, idmap), nb, "single pass: read once, write once")
+        plan = list(kvd._PLANS.values())[-1] if res["kernel"] == "triton" and kvd._PLANS else None
         if plan:  # the tile and warps the executor chose, against a few others (same kernel)
             chosen = dict(plan.meta)
             res.setdefault("tiles", {})[h] = {"chosen": chosen, "variants": []}
             for rb, cb, nw in ((8, 128, 4), (32, 128, 8), (32, 256, 8), (64, 256, 8), (16, 512, 4)):
                 plan.meta = dict(chosen, RB=rb, CB=cb, num_warps=nw)
                 t.fill_(float("nan"))
-                kvm._pull([(ex, 0, 0, h)], nex, idmap)
+                kvd._pull([(ex, 0, 0, h)], nex, idmap)
                 good = torch.equal(nex[ids].view(torch.int16), ex[ids, 0:h].view(torch.int16))
                 res["ok"] &= good
-                ms = median_time(lambda nex=nex, h=h: kvm._pull([(ex, 0, 0, h)], nex, idmap), dev, 5) * 1e3
+                ms = median_time(lambda nex=nex, h=h: kvd._pull([(ex, 0, 0, h)], nex, idmap), dev, 5) * 1e3
                 res["tiles"][h]["variants"].append({"RB": rb, "CB": cb, "num_warps": nw, "ms": ms,
                                                     "GBps": nb / ms / 1e6, "ok": good})
                 log(f"[kv ops]   tile {rb}x{cb}, {nw} warps: {ms:.3f} ms {nb / ms / 1e6:.0f} GB/s ok={good}")
@@ -1058,10 +1061,10 @@ def direct_ops(case: KVCase, ex: torch.Tensor, rec, dev) -> dict:
     t = torch.full(case.shape(H), float("nan"), device=dev, dtype=DTYPE)
     nex = case.exec_view(t)
     work = [(srcs[k], 0, k * hs, hs) for k in range(8)]
-    kvm._pull(work, nex, idmap)
+    kvd._pull(work, nex, idmap)
     res["ok"] &= torch.equal(nex[ids].view(torch.int16), ex[ids].view(torch.int16))
     rec(f"direct pull ({res['kernel']}), 8 sources × {hs} heads → {H} heads, one launch",
-        lambda: kvm._pull(work, nex, idmap), nbytes(nex[ids]), "TP8 → TP1 layer")
+        lambda: kvd._pull(work, nex, idmap), nbytes(nex[ids]), "TP8 → TP1 layer")
     del srcs, t, nex, work
     if not res["ok"]:
         log("[kv ops] direct pull: WRONG RESULT")

@@ -60,7 +60,8 @@ for _p in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(_p))
 
 import gpu_datapath as gd  # noqa: E402
-from node_agent.kv_migration import TorchDistTransport, migrate_kv  # noqa: E402
+from node_agent.kv.migrate import migrate_kv  # noqa: E402
+from node_agent.kv.transport import TorchDistTransport  # noqa: E402
 from node_agent.weight_store import MappedStore, ShardLoader, llama_shard_pieces  # noqa: E402
 from remp.kvplan import RankView, migration_plan  # noqa: E402
 from remp.topology import Topology  # noqa: E402
@@ -786,7 +787,7 @@ def _rounds_per_layer(rep: dict, case: dict, old: str, new: str) -> int | None:
     """Staging rounds per layer of the executor's default path (``"auto"`` limit), the most over
     layers and ranks: each round is gather → send → receive → scatter through one staging buffer,
     one after the other (the executor's own round sizing, read here only to explain the times)."""
-    from node_agent import kv_migration as kvm
+    from node_agent.kv.plan import chunk_blocks
 
     models = SMALL_MODELS if rep["args"].get("small") else MODELS
     cfg = models.get(case["model"])
@@ -803,8 +804,8 @@ def _rounds_per_layer(rep: dict, case: dict, old: str, new: str) -> int | None:
     most = 0
     for slices in by_layer.values():
         for rank in {x for sl in slices for x in (sl.src, sl.dst) if sl.src != sl.dst}:
-            step, _, _ = kvm._chunk_blocks(rank, slices, H // B.tp, nb, nb * H * per_block_head, per_block_head,
-                                           "auto", n)
+            step, _, _ = chunk_blocks(rank, slices, H // B.tp, nb, nb * H * per_block_head, per_block_head,
+                                       "auto", n)
             most = max(most, -(-n // step))
     return most
 

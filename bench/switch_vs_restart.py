@@ -30,10 +30,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from remp.agentproc import (AgentProcess, prompt, stream_completion,  # noqa: E402
+from devstack.agentproc import (AgentProcess, ensure_credentials, prompt, stream_completion,  # noqa: E402
                             switch_under_load)
 from remp.common.v1 import types_pb2  # noqa: E402
-from remp.modelgen import make_model  # noqa: E402
+from devstack.modelgen import make_model  # noqa: E402
 
 SOURCE, TARGET = (2, 1), (1, 2)
 PROMPTS = [prompt(i, 140) for i in range(3)]
@@ -121,6 +121,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="remp-bench-") as tmp:
         model = make_model(Path(tmp) / "tiny-llama")
         logs = Path(tmp)
+        ensure_credentials(logs)
         recs, seq_recs, exact, preempted = measure_switches(model, logs, a.repeats)
         restarts = measure_restarts(model, logs, a.repeats)
 

@@ -22,11 +22,28 @@ class ControllerSettings(BaseSettings):
     redis_url: str | None = Field(None, description="redis://[:password@]host:port/db or "
                                   "rediss:// for TLS; unset: start a private redis-server")
     redis_prefix: str = "remp:"
-    token: str | None = Field(None, description="bearer token required on mutating RPCs")
+    credentials_file: Path | None = Field(None, description="who may call what (remp.auth); "
+                                          "default $REMP_CREDENTIALS_FILE / $REMP_TOKEN_<ROLE>")
     lease_seconds: float = Field(10.0, gt=0)
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus "
                                      "/metrics on this port (0: a free one, logged); unset: off")
     agent_timeout_s: float = Field(5.0, gt=0)
+    # Watch streams (one Redis reader per process, fanned out in process)
+    watch_max_per_caller: int = Field(32, ge=1, description="concurrent Watch streams per "
+                                      "caller (its role, or its IP when anonymous)")
+    watch_max_total: int = Field(256, ge=1, description="concurrent Watch streams in total")
+    watch_queue_events: int = Field(1000, ge=1, description="events buffered per Watch stream;"
+                                    " a reader that falls further behind is closed "
+                                    "(RESOURCE_EXHAUSTED)")
+    # Redis connection pools, one per lane: load on one cannot starve another
+    redis_agent_connections: int = Field(16, ge=1, description="registration, heartbeats, "
+                                         "lease expiry")
+    redis_switch_connections: int = Field(16, ge=1, description="Reconfigure, Abort, "
+                                          "DrainNode, recommendations, the switch driver")
+    redis_read_connections: int = Field(32, ge=1, description="the read RPCs (GetState, "
+                                        "ListNodes, ListSwitches, Watch history, ...)")
+    redis_ping_seconds: float = Field(1.0, gt=0, description="how often Redis is pinged; "
+                                      "health is NOT_SERVING while it does not answer")
     # mTLS towards the agents (all three or none)
     agent_tls_ca: Path | None = None
     agent_tls_cert: Path | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from remp.errors import InvalidArgument
-from remp.kvplan import RankView, check_shape
+from remp.kvplan import RankView, remote_moves
 from remp.topology import ModelShape, Topology, format_topologies, topology_problems
 from remp.transaction import Phase
 
@@ -95,23 +95,9 @@ def _moves(old: Topology, new: Topology, num_layers: int, num_kv_heads: int
     """Worker-to-worker moves of the 2D plan, grouped by (src, dst, head range) → layers.
 
     Equal to grouping :func:`remp.kvplan.migration_plan`'s non-local slices (a unit test checks
-    it), computed per run of layers that share both pipeline stages instead of per layer. Depends
-    only on the shapes, so a fleet of nodes serving one model shares the result (cached)."""
-    check_shape(old, num_layers, num_kv_heads)
-    check_shape(new, num_layers, num_kv_heads)
-    # owner(layer, head) = stage(layer) · tp + head // heads_per_rank, inlined (this loop is the
-    # planner's cold cost: bench/control_plane.py plans 1,000 nodes of different models)
-    a_lps, a_hpr, a_tp = num_layers // old.pp, num_kv_heads // old.tp, old.tp
-    b_lps, b_hpr, b_tp = num_layers // new.pp, num_kv_heads // new.tp, new.tp
-    cuts = sorted({*range(0, num_kv_heads, a_hpr), *range(0, num_kv_heads, b_hpr), num_kv_heads})
-    bounds = sorted({*range(0, num_layers, a_lps), *range(0, num_layers, b_lps), num_layers})
-    head_runs = [(lo, hi, lo // a_hpr, lo // b_hpr) for lo, hi in zip(cuts, cuts[1:])]
-    grouped: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
-    for l0, l1 in zip(bounds, bounds[1:]):
-        sa, sb = (l0 // a_lps) * a_tp, (l0 // b_lps) * b_tp
-        for lo, hi, ha, hb in head_runs:
-            if sa + ha != sb + hb:
-                grouped[(sa + ha, sb + hb, lo, hi)].extend(range(l0, l1))
+    it; :func:`remp.kvplan.remote_moves`). Depends only on the shapes, so a fleet of nodes serving
+    one model shares the result (cached)."""
+    grouped = remote_moves(old, new, num_layers, num_kv_heads)
     return tuple((k, tuple(v)) for k, v in sorted(grouped.items()))
 
 
@@ -129,6 +115,12 @@ def _kv_summary(old: Topology, new: Topology, num_layers: int, num_kv_heads: int
         per_rank_in[dst] += units
     busiest = max([*per_rank_out.values(), *per_rank_in.values(), 0])
     return tuple(moves), busiest, sum(m[5] for m in moves)
+
+
+def clear_shape_caches() -> None:
+    """Forget the per-shape results (the benchmark's cold case: a fleet of different models)."""
+    for cached in (_moves, _kv_summary, _shard_layout):
+        cached.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -16,18 +16,16 @@ Every decision is an event (``EVENT_TYPE_REQUEST_RECOVERY``) and a recovery reco
 from __future__ import annotations
 
 import asyncio
-import time
-
-import grpc
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from remp import logs
-from remp.common.v1 import types_pb2
-from remp.controller.v1 import controller_pb2
-from remp.errors import FailedPrecondition, Unavailable
-from remp.node_agent.v1 import node_agent_pb2
-from remp.node_agent.v1 import node_agent_pb2_grpc
+from remp.errors import FailedPrecondition, RempError, Unavailable
 
-from controller.store import decode_reg, from_json, to_json
+from controller.convert import from_json, to_json
+from controller.model import (Continuation, EventType, Heartbeat, ImportOrder, MigrateOrder,
+                              Recovery, RecoveryAction, RecoveryDecision, RequestInfo)
+from controller.store import decode_reg
 
 log = logs.get_logger("remp.controller.recovery")
 
@@ -54,38 +52,27 @@ class RecoveryCoordinator:
             raise FailedPrecondition(f"no other serving node to move {source!r}'s requests to")
         return sorted(out)
 
-    async def _record(self, rec: controller_pb2.Recovery, etype: int, detail: str) -> None:
-        ev = self.core._event(etype, rec.source_node, detail=detail)
-        ev.decision.CopyFrom(rec.decision)
+    async def _record(self, rec: Recovery, etype: EventType, detail: str) -> None:
+        ev = replace(self.core._event(etype, rec.source_node, detail=detail),
+                     decision=rec.decision)
         await self.store.put_recovery(rec.request_id, to_json(rec), self.core.clock(), ev)
 
     # ------------------------------------------------------------------ drain
-    async def drain(self, node: str, target: str, slo_s: float, reason: str,
-                    start_when_running: int = 0) -> list[types_pb2.RecoveryDecision]:
+    async def drain(self, node: str, target: str, slo_s: float, reason: str
+                    ) -> list[RecoveryDecision]:
         h, reg = await self.core._node(node)
         if h.get("current"):
             raise FailedPrecondition(f"switch {h['current']} is running on {node}; wait for it")
         targets = await self._targets(node, target)
-        stub = self.agents.stub(reg.agent_address)
         try:
-            deadline = time.monotonic() + 120
-            while start_when_running and time.monotonic() < deadline:  # test-only gate
-                reqs = await stub.ListRequests(node_agent_pb2.ListRequestsRequest(),
-                                               timeout=self.agents.timeout)
-                if sum(r.status == "RUNNING" and r.output_tokens >= 2
-                       for r in reqs.requests) >= start_when_running:
-                    break
-                await asyncio.sleep(0.005)
-            await stub.SetDraining(node_agent_pb2.SetDrainingRequest(draining=True),
-                                   timeout=self.agents.timeout)
-            reqs = await stub.ListRequests(node_agent_pb2.ListRequestsRequest(),
-                                           timeout=self.agents.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"agent of {node} unreachable: {exc.details()}") from None
+            await self.agents.set_draining(reg.agent_address, True)
+            reqs = await self.agents.list_requests(reg.agent_address)
+        except RempError as err:
+            raise Unavailable(f"agent of {node} unreachable: {err.details or err}") from None
         await self.store.set_draining(node, True, self.core._event(
-            controller_pb2.EVENT_TYPE_NODE_DRAINING, node, detail=reason or "drain"))
+            EventType.NODE_DRAINING, node, detail=reason or "drain"))
         decisions = []
-        running = [r for r in reqs.requests if r.status == "RUNNING"]
+        running = [r for r in reqs if r.status == "RUNNING"]
         log.info("controller.drain", node=node, running=len(running),
                  targets=[t for t, _ in targets])
         for i, r in enumerate(running):
@@ -97,34 +84,34 @@ class RecoveryCoordinator:
         return decisions
 
     async def _migrate_one(self, node: str, src_addr: str, dst: str, dst_addr: str,
-                           info, slo_s: float) -> types_pb2.RecoveryDecision | None:
-        call = self.agents.stub(src_addr).MigrateRequest(node_agent_pb2.MigrateRequestRequest(
+                           info: RequestInfo, slo_s: float) -> RecoveryDecision | None:
+        events = self.agents.migrate_request(src_addr, MigrateOrder(
             request_id=info.request_id, target_address=dst_addr, target_node=dst,
             slo_budget_seconds=slo_s))
-        rec = controller_pb2.Recovery(request_id=info.request_id, source_node=node,
-                                      target_node=dst, cause="drain", status="running",
-                                      tokens_before=info.output_tokens)
-        rec.at.FromNanoseconds(int(self.core.clock() * 1e9))
+        rec = Recovery(request_id=info.request_id, source_node=node, target_node=dst,
+                       cause="drain", status="running", tokens_before=info.output_tokens,
+                       at=int(self.core.clock() * 1e9))
         try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as exc:
+            first = await anext(events, None)
+        except RempError as err:
             # finished meanwhile (NOT_FOUND / FAILED_PRECONDITION): nothing to recover
-            log.info("controller.drain_skip", request_id=info.request_id, code=exc.code().name,
-                     detail=exc.details())
+            log.info("controller.drain_skip", request_id=info.request_id, code=err.code.name,
+                     detail=err.details or str(err))
             return None
-        if first is grpc.aio.EOF or not first.HasField("decision"):
+        if first is None or first.decision is None:
             return None
-        rec.decision.CopyFrom(first.decision)
+        d = first.decision
+        rec.decision = d
         # generated on the source up to the moment it was taken out (exact: engine paused)
-        rec.tokens_before = max(0, first.decision.tokens - info.prompt_tokens)
-        if first.decision.action == types_pb2.RECOVERY_ACTION_ABORT:
+        rec.tokens_before = max(0, d.tokens - info.prompt_tokens)
+        if d.action == RecoveryAction.ABORT:
             rec.status = "aborted"
-        await self._record(rec, controller_pb2.EVENT_TYPE_REQUEST_RECOVERY,
-                           f"{info.request_id}: {types_pb2.RecoveryAction.Name(first.decision.action)}"
-                           f" → {dst} ({first.decision.reason})")
+        await self._record(rec, EventType.REQUEST_RECOVERY,
+                           f"{info.request_id}: RECOVERY_ACTION_{RecoveryAction(d.action).name}"
+                           f" → {dst} ({d.reason})")
         if rec.status == "running":
-            self.core.spawn(self._follow(rec, _events(call)))
-        return first.decision
+            self.core.spawn(self._follow(rec, _continuation(events)))
+        return d
 
     # ------------------------------------------------------------------ loss
     async def recover_lost(self, node: str) -> int:
@@ -145,7 +132,7 @@ class RecoveryCoordinator:
             if (await self.store.node(node) or {}).get("health") != "lost":
                 log.warning("controller.lease_renewed", node=node)  # it heartbeated meanwhile
                 return 0
-        reqs = from_json(journal, controller_pb2.HeartbeatRequest).inflight
+        reqs = from_json(journal, Heartbeat).inflight
         try:
             targets = await self._targets(node)
         except FailedPrecondition as exc:
@@ -155,65 +142,55 @@ class RecoveryCoordinator:
         for i, r in enumerate(reqs):
             name, address = targets[i % len(targets)]
             tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
-            decision = types_pb2.RecoveryDecision(
-                request_id=r.request_id, action=types_pb2.RECOVERY_ACTION_RECOMPUTE,
+            decision = RecoveryDecision(
+                request_id=r.request_id, action=RecoveryAction.RECOMPUTE,
                 reason="source_lost", tokens=tokens, source_node=node, target_node=name,
                 detail="its KV went with the node: re-prefill prompt + generated tokens")
-            rec = controller_pb2.Recovery(request_id=r.request_id, source_node=node,
-                                          target_node=name, cause="lost", status="running",
-                                          tokens_before=len(r.output_token_ids),
-                                          decision=decision)
-            rec.at.FromNanoseconds(int(self.core.clock() * 1e9))
-            await self._record(rec, controller_pb2.EVENT_TYPE_REQUEST_RECOVERY,
+            rec = Recovery(request_id=r.request_id, source_node=node, target_node=name,
+                           cause="lost", status="running", tokens_before=len(r.output_token_ids),
+                           decision=decision, at=int(self.core.clock() * 1e9))
+            await self._record(rec, EventType.REQUEST_RECOVERY,
                                f"{r.request_id}: RECOMPUTE → {name} (source lost)")
-            header = node_agent_pb2.ImportHeader(
+            events = self.agents.import_request(address, ImportOrder(
                 request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids, max_tokens=r.max_tokens,
-                temperature=r.temperature, ignore_eos=r.ignore_eos)
-            call = self.agents.stub(address).ImportRequest(
-                iter([node_agent_pb2.ImportChunk(header=header)]))
-            self.core.spawn(self._follow(rec, _events(call)))
+                temperature=r.temperature, ignore_eos=r.ignore_eos))
+            self.core.spawn(self._follow(rec, _continuation(events)))
         await self.store.clear_inflight(node)
         log.warning("controller.lost_node_recovering", node=node, requests=len(reqs))
         return len(reqs)
 
     # ------------------------------------------------------------------ continuations
-    async def _follow(self, rec: controller_pb2.Recovery, events) -> None:
+    async def _follow(self, rec: Recovery, events: AsyncIterator[Continuation]) -> None:
         try:
             async for ev in events:
-                rec.token_ids.extend(ev.token_ids)
+                rec.token_ids += tuple(ev.token_ids)
                 rec.text += ev.text
                 if ev.finished:
                     rec.finish_reason = ev.finish_reason
             rec.status = "finished"
-        except grpc.aio.AioRpcError as exc:
-            rec.status, rec.error = "failed", f"{exc.code().name}: {exc.details()}"
+        except RempError as err:  # the stream failed: the agent's status, typed
+            rec.status, rec.error = "failed", f"{err.code.name}: {err.details or err}"
         except Exception as exc:  # noqa: BLE001 - recorded, never lost silently
             rec.status, rec.error = "failed", f"{type(exc).__name__}: {exc}"
         log.info("controller.request_recovered", request_id=rec.request_id,
                  target=rec.target_node, status=rec.status, tokens=len(rec.token_ids))
         for _ in range(30):
             try:
-                await self._record(rec, controller_pb2.EVENT_TYPE_REQUEST_RECOVERED,
+                await self._record(rec, EventType.REQUEST_RECOVERED,
                                    f"{rec.request_id}: {rec.status} on {rec.target_node} "
                                    f"(+{len(rec.token_ids)} tokens)")
                 return
             except Unavailable:
                 await asyncio.sleep(1)
 
-    async def list(self, node: str) -> list[controller_pb2.Recovery]:
-        out = [from_json(t, controller_pb2.Recovery) for t in await self.store.recoveries()]
+    async def list(self, node: str) -> list[Recovery]:
+        out = [from_json(t, Recovery) for t in await self.core.reads.recoveries()]
         return [r for r in out if not node or r.source_node == node]
 
 
-async def _events(call):
-    """A MigrateRequest / ImportRequest stream's continuation events (the decision dropped).
-    ``read()`` throughout: the drain already read the first event that way, and grpc.aio does
-    not allow mixing it with iteration."""
-    while True:
-        ev = await call.read()
-        if ev is grpc.aio.EOF:
-            return
-        if hasattr(ev, "decision") and ev.HasField("decision"):
-            continue
-        yield ev
+async def _continuation(events: AsyncIterator[Continuation]) -> AsyncIterator[Continuation]:
+    """A MigrateRequest / ImportRequest stream's continuation events (the decision dropped)."""
+    async for ev in events:
+        if ev.decision is None:
+            yield ev

@@ -2,6 +2,11 @@
 
 With no Redis URL configured it starts a private redis-server (nothing persisted) and says so.
 SIGTERM/SIGINT stop it cleanly; unfinished switches are completed by the next start.
+
+Redis is pinged every ``redis_ping_seconds``: while it does not answer, the service's health is
+NOT_SERVING (RPCs answer UNAVAILABLE), and SERVING again once it does. Redis connections come
+from one pool per lane (agents, switches, reads) plus one for the event reader behind every
+Watch stream and one for the ping, so no client load can starve heartbeats or switches.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from controller.config import ControllerSettings
 from controller.core import Controller
 from controller.servicer import ControllerServicer
 from controller.store import Store
+from controller.watch import EventHub
 from remp import logs, metrics
+from remp.auth import Credentials, Role
 from remp.controller.v1 import controller_pb2_grpc
 from remp.grpc_util import make_server, set_serving
 
@@ -24,25 +31,37 @@ log = logs.get_logger("remp.controller")
 
 async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> int:
-    from remp.redisproc import RedisServer
+    from remp.redisproc import RedisServer, redact_url
 
     private = None
     url = s.redis_url
     if not url:
-        private = RedisServer().start()
+        private = RedisServer(generate_password=True).start()
         url = private.url
-        log.warning("controller.private_redis", url=url,
+        log.warning("controller.private_redis", url=redact_url(url),
                     note="state lives only as long as this process (set REMP_CONTROLLER_REDIS_URL)")
+    creds = Credentials.load(s.credentials_file)
+    creds.require_for_server("remp controller")
     m = metrics.controller()
-    store = metrics.CountingStore(Store(url, s.redis_prefix), m)
+
+    def lane(name: str, size: int, **kw) -> Store:
+        return metrics.CountingStore(Store(url, s.redis_prefix, max_connections=size, lane=name,
+                                           **kw), m)
+    store = lane("switches", s.redis_switch_connections)
+    leases = lane("agents", s.redis_agent_connections)
+    reads = lane("reads", s.redis_read_connections, pool_timeout=2.0)
+    events = lane("events", 2)
+    pinger = Store(url, s.redis_prefix, max_connections=1, lane="ping",
+                   socket_timeout=max(0.2, min(2.0, s.redis_ping_seconds)))
+    hub = EventHub(events, s.watch_queue_events)
     tls = (TlsFiles(s.agent_tls_ca, s.agent_tls_cert, s.agent_tls_key)
            if s.agent_tls_ca else None)
-    agents = AgentClients(tls=tls, timeout=s.agent_timeout_s)
-    core = Controller(s, store, agents)
+    agents = AgentClients(tls=tls, timeout=s.agent_timeout_s, creds=creds.only(Role.CONTROLLER))
+    core = Controller(s, store, agents, leases=leases, reads=reads, hub=hub)
     server, health, port = make_server([SERVICE_NAME], s.host, s.port,
-                                       interceptors=[metrics.RpcMetricsInterceptor(m)])
+                                       interceptors=[metrics.RpcMetricsInterceptor(m)], auth=creds)
     msrv = metrics.serve(s.host, s.metrics_port, "controller")
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(core, s.token), server)
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -51,28 +70,67 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
         except (NotImplementedError, RuntimeError):
             pass
     await server.start()
+    monitor = None
     try:
-        if not await store.ping():
-            log.warning("controller.redis_unreachable", url=store.url)
+        # health stays NOT_SERVING until Redis answers (unfinished switches are recovered
+        # from it before anything else)
+        waited = 0
+        while not await pinger.ping():
+            if waited % 30 == 0:
+                log.warning("controller.redis_unreachable", url=store.url,
+                            detail="waiting for it; health NOT_SERVING")
+            waited += 1
+            try:
+                await asyncio.wait_for(stop.wait(), max(1.0, s.redis_ping_seconds))
+                return 0
+            except asyncio.TimeoutError:
+                pass
         await core.start()
-        await set_serving(health, [SERVICE_NAME], True)
+        redis_ok = await pinger.ping()
+        await set_serving(health, [SERVICE_NAME], redis_ok)
+        m.redis_up.set(1 if redis_ok else 0)
+        monitor = asyncio.create_task(_watch_redis(pinger, health, s.redis_ping_seconds,
+                                                   redis_ok, m))
         log.info("controller.ready", grpc=f"{s.host}:{port}", redis=store.url,
-                 auth="bearer" if s.token else "none", agent_tls=bool(tls))
+                 auth=creds.source if creds.enforcing else "NONE (REMP_ALLOW_UNAUTHENTICATED)",
+                 agent_tls=bool(tls))
         if ready is not None:
             ready.set()
         await stop.wait()
     finally:
+        if monitor is not None:
+            monitor.cancel()
+            await asyncio.gather(monitor, return_exceptions=True)
         await set_serving(health, [SERVICE_NAME], False)
         await server.stop(grace=2)
         await core.stop()
         await agents.close()
-        await store.close()
+        for st in (store, leases, reads, events, pinger):
+            await st.close()
         if private is not None:
             private.stop()
         if msrv is not None:
             msrv.stop()
         log.info("controller.stopped")
     return 0
+
+
+async def _watch_redis(pinger: Store, health, period: float, ok: bool, m) -> None:
+    """Health follows Redis: NOT_SERVING while it does not answer a ping, SERVING again once
+    it does (checked every ``period`` seconds)."""
+    while True:
+        await asyncio.sleep(period)
+        now = await pinger.ping()
+        if now == ok:
+            continue
+        ok = now
+        m.redis_up.set(1 if ok else 0)
+        await set_serving(health, [SERVICE_NAME], ok)
+        if ok:
+            log.info("controller.redis_back", redis=pinger.url, health="SERVING")
+        else:
+            log.error("controller.redis_down", redis=pinger.url, health="NOT_SERVING",
+                      detail="RPCs answer UNAVAILABLE until Redis answers again")
 
 
 def main(s: ControllerSettings) -> int:

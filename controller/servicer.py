@@ -1,124 +1,137 @@
-"""Controller gRPC servicer: checks the bearer token on mutating RPCs, converts, calls
-:class:`controller.core.Controller`, converts back (no logic here)."""
+"""Controller gRPC servicer: bounds-checks the request's strings (:mod:`controller.validation`),
+converts (:mod:`controller.convert`), calls :class:`controller.core.Controller`, converts back (no
+logic here; who may call what is checked before, by :mod:`remp.auth`)."""
 
 from __future__ import annotations
 
-import hmac
+import functools
 
+from controller import validation
+from controller.convert import from_proto, plan_to_proto, to_proto, topology
 from controller.core import Controller
-from controller.planner import Plan
-from remp.common.v1 import types_pb2
+from controller.model import Heartbeat, Registration
+from remp.auth import current_caller
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
-from remp.errors import InvalidArgument, Unauthenticated
+from remp.errors import InvalidArgument
 from remp.grpc_util import rpc_errors, rpc_errors_stream
 
 
-def _check_token(context, token: str | None) -> None:
-    if not token:
-        return
-    md = dict(context.invocation_metadata() or ())
-    got = md.get("authorization", "")
-    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-        raise Unauthenticated("this call changes state: send 'authorization: Bearer <token>'")
+def checked(fn):
+    """Every string field of the request within its bounds before the method sees it."""
+
+    @functools.wraps(fn)
+    async def unary(self, request, context):
+        validation.check(request)
+        return await fn(self, request, context)
+    return unary
 
 
-def plan_to_proto(node: str, p: Plan) -> controller_pb2.PlanResponse:
-    return controller_pb2.PlanResponse(
-        node=node,
-        from_topology=types_pb2.Topology(tp=p.source.tp, pp=p.source.pp),
-        to_topology=types_pb2.Topology(tp=p.target.tp, pp=p.target.pp),
-        transfers=[controller_pb2.Transfer(src_rank=t.src_rank, dst_rank=t.dst_rank,
-                                           layers=t.layers, kv_head_start=t.kv_head_start,
-                                           kv_head_end=t.kv_head_end, kv_bytes=t.kv_bytes)
-                   for t in p.transfers],
-        shard_loads=[controller_pb2.ShardLoad(rank=s.rank, layers=s.layers, tp_rank=s.tp_rank,
-                                              tp_size=s.tp_size, weight_bytes=s.weight_bytes)
-                     for s in p.shard_loads],
-        kv_bytes_total=p.kv_bytes_total, weight_bytes_total=p.weight_bytes_total,
-        predicted=[types_pb2.PhaseTiming(phase=int(ph), seconds=s) for ph, s in
-                   sorted(p.predicted.items())],
-        predicted_total_seconds=p.predicted_total_s,
-        requests_to_preempt=p.requests_to_preempt, noop=p.noop)
+def checked_stream(fn):
+    @functools.wraps(fn)
+    async def stream(self, request, context):
+        validation.check(request)
+        async for item in fn(self, request, context):
+            yield item
+    return stream
+
+
+def caller_key(context) -> str:
+    """What the per-caller limits count by (remp.auth sets the caller of every RPC)."""
+    c = current_caller()
+    return c.key if c is not None else f"anon@{context.peer()[:64]}"
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
-    def __init__(self, core: Controller, token: str | None):
-        self.core, self.token = core, token
+    def __init__(self, core: Controller):
+        self.core = core
 
     @rpc_errors
+    @checked
     async def RegisterNode(self, request, context):
-        _check_token(context, self.token)
-        lease, epoch = await self.core.register(request)
+        lease, epoch = await self.core.register(from_proto(request, Registration))
         return controller_pb2.RegisterNodeResponse(lease_seconds=lease, epoch=epoch)
 
     @rpc_errors
+    @checked
     async def Heartbeat(self, request, context):
-        _check_token(context, self.token)
-        return controller_pb2.HeartbeatResponse(lease_seconds=await self.core.heartbeat(request))
+        return controller_pb2.HeartbeatResponse(
+            lease_seconds=await self.core.heartbeat(from_proto(request, Heartbeat)))
 
     @rpc_errors
+    @checked
     async def ListNodes(self, request, context):
-        return controller_pb2.ListNodesResponse(nodes=await self.core.list_nodes())
+        return controller_pb2.ListNodesResponse(
+            nodes=[to_proto(n) for n in await self.core.list_nodes()])
 
     @rpc_errors
+    @checked
     async def GetState(self, request, context):
-        return await self.core.get_state(request.node)
+        return to_proto(await self.core.get_state(request.node))
 
     @rpc_errors
+    @checked
     async def Plan(self, request, context):
-        return plan_to_proto(request.node, await self.core.plan(request.node, request.target))
+        return plan_to_proto(request.node,
+                             await self.core.plan(request.node, topology(request.target)))
 
     @rpc_errors
+    @checked
     async def Reconfigure(self, request, context):
-        _check_token(context, self.token)
-        return await self.core.reconfigure(request.node, request.target, request.request_id,
-                                           request.reason, request.test_start_when_running)
+        return to_proto(await self.core.reconfigure(request.node, topology(request.target),
+                                                    request.request_id, request.reason))
 
     @rpc_errors_stream
+    @checked_stream
     async def Watch(self, request, context):
-        async for ev in self.core.watch(request.node, request.switch_id, request.include_history):
-            yield ev
+        async for ev in self.core.watch(request.node, request.switch_id, request.include_history,
+                                        caller_key(context)):
+            yield to_proto(ev)
 
     @rpc_errors
+    @checked
     async def Abort(self, request, context):
-        _check_token(context, self.token)
-        return await self.core.abort(request.switch_id, request.reason)
+        return to_proto(await self.core.abort(request.switch_id, request.reason))
 
     @rpc_errors
+    @checked
     async def GetSwitch(self, request, context):
-        return await self.core.get_switch(request.switch_id)
+        return to_proto(await self.core.get_switch(request.switch_id))
 
     @rpc_errors
+    @checked
     async def ListSwitches(self, request, context):
         recs, nxt = await self.core.list_switches(request.node, request.page_size,
                                                   request.page_token)
-        return controller_pb2.ListSwitchesResponse(switches=recs, next_page_token=nxt)
+        return controller_pb2.ListSwitchesResponse(switches=[to_proto(r) for r in recs],
+                                                   next_page_token=nxt)
 
     @rpc_errors
+    @checked
     async def GetTraffic(self, request, context):
         since = request.since.ToNanoseconds() / 1e9 if request.HasField("since") else 0.0
-        return controller_pb2.GetTrafficResponse(
-            samples=await self.core.traffic(request.node, since, request.limit))
+        return controller_pb2.GetTrafficResponse(samples=[
+            to_proto(t) for t in await self.core.traffic(request.node, since, request.limit)])
 
     @rpc_errors
+    @checked
     async def RecordRecommendation(self, request, context):
-        _check_token(context, self.token)
-        await self.core.record_recommendation(request.node, request.recommended, request.reason,
-                                              request.decision_id)
+        await self.core.record_recommendation(request.node, topology(request.recommended),
+                                              request.reason, request.decision_id)
         return controller_pb2.RecordRecommendationResponse()
 
     @rpc_errors
+    @checked
     async def DrainNode(self, request, context):
-        _check_token(context, self.token)
         if not request.node:
             raise InvalidArgument("node is required")
         if request.slo_budget_seconds < 0 or request.slo_budget_seconds != request.slo_budget_seconds:
             raise InvalidArgument("slo_budget_seconds must be >= 0")
-        return controller_pb2.DrainNodeResponse(decisions=await self.core.drain(
-            request.node, request.target_node, request.slo_budget_seconds, request.reason,
-            request.test_start_when_running))
+        decisions = await self.core.drain(request.node, request.target_node,
+                                          request.slo_budget_seconds, request.reason)
+        return controller_pb2.DrainNodeResponse(decisions=[to_proto(d) for d in decisions])
 
     @rpc_errors
+    @checked
     async def ListRecoveries(self, request, context):
         return controller_pb2.ListRecoveriesResponse(
-            recoveries=await self.core.list_recoveries(request.node))
+            recoveries=[to_proto(r) for r in await self.core.list_recoveries(request.node)])

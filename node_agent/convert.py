@@ -8,20 +8,12 @@ from remp.topology import Topology
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from remp.transaction import Phase
+from remp.convert import outcome_to_proto
+from remp.transaction import Outcome, Phase
 
 from node_agent.agent import AgentSnapshot
 from node_agent.config import HostFacts, ModelFacts
 from node_agent.switch import SwitchEvent, SwitchRecord
-
-OUTCOME = {
-    "running": types_pb2.SWITCH_OUTCOME_RUNNING,
-    "succeeded": types_pb2.SWITCH_OUTCOME_SUCCEEDED,
-    "rolled_back": types_pb2.SWITCH_OUTCOME_ROLLED_BACK,
-    "failed": types_pb2.SWITCH_OUTCOME_FAILED,
-    "noop": types_pb2.SWITCH_OUTCOME_NOOP,
-    "aborted": types_pb2.SWITCH_OUTCOME_ABORTED,
-}
 
 ENGINE_STATUS = {
     "starting": types_pb2.ENGINE_STATUS_STARTING,
@@ -29,6 +21,7 @@ ENGINE_STATUS = {
     "switching": types_pb2.ENGINE_STATUS_SWITCHING,
     "dead": types_pb2.ENGINE_STATUS_DEAD,
     "stopping": types_pb2.ENGINE_STATUS_STOPPING,
+    "restarting": types_pb2.ENGINE_STATUS_STARTING,  # a new engine after the last one died
 }
 
 
@@ -116,7 +109,7 @@ def record_to_proto(r: SwitchRecord) -> types_pb2.SwitchRecord:
         node=r.node,
         from_topology=topology_to_proto(r.from_topology),
         to_topology=topology_to_proto(r.to_topology),
-        outcome=OUTCOME[r.outcome],
+        outcome=outcome_to_proto(r.outcome),
         phase=int(r.phase),
         phase_timings=[types_pb2.PhaseTiming(phase=int(p), seconds=s, started_at=_ts(t))
                        for p, t, s in r.timings],
@@ -135,7 +128,7 @@ def record_to_proto(r: SwitchRecord) -> types_pb2.SwitchRecord:
         downtime_seconds=r.downtime_s,
         total_seconds=r.total_s,
         error=(types_pb2.Error(code=r.error[0], message=r.error[1], phase=int(r.error[2]),
-                               retryable=r.outcome == "rolled_back") if r.error else None),
+                               retryable=r.outcome == Outcome.ROLLED_BACK) if r.error else None),
         started_at=_ts(r.started_wall),
         finished_at=_ts(r.finished_wall),
         reason=r.reason,

@@ -1,26 +1,40 @@
 """Cross-host request migration between node agents (the agent side; decisions are pure, in
 :mod:`remp.recovery`).
 
-Source (``migrate_out``): decide MIGRATE / RECOMPUTE / ABORT for the request from measured costs
-(bandwidth EWMA per target, throttle, prefill table), take it out of the engine (a short pause),
-send it to the target's ``ImportRequest`` — state, plus the KV payload when migrating — and relay
-the continuation. Target (``import_in``): write the payload, continue the request in its engine
-(the remp import connector loads the KV), stream the tokens back.
+Source (``migrate_out``): check the target is a node this agent may send requests to (registered
+with the controller, or one of ``--migration-peers``), decide MIGRATE / RECOMPUTE / ABORT for the
+request from measured costs (bandwidth EWMA per target, throttle, prefill table), take it out of
+the engine (a short pause), send it to the target's ``ImportRequest`` — state, plus the KV payload
+when migrating — over a link that carries this agent's own credential (and mutual TLS when
+configured), and relay the continuation. Target (``import_in``): check the header and the
+payload (:func:`check_header`, :func:`check_payload`: pure, before anything reaches the engine),
+keep the payload in a private directory under a generated name, continue the request in its
+engine (the remp import connector loads the KV), stream the tokens back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import mmap
 import os
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import grpc
 
-from remp import logs
-from remp.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from node_agent.faults import NO_MIGRATION_FAULT
+from node_agent.kv.codec import (KV_DTYPES, ImportLimits, ImportPlan, check_payload,
+                                 kv_bytes_estimate)
+from remp import logs, validate
+from remp.auth import Role, aio_channel, channel_tls
+from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                         ResourceExhausted, Unavailable)
 from remp.common.v1 import types_pb2
+from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.grpc_util import channel_options
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
 from remp.recovery import (Action, BandwidthEstimator, DisplacedRequest, PrefillTable,
@@ -42,12 +56,139 @@ class MigrationState:
     bandwidth_limit_bps: float = 0.0
     max_concurrent: int = 32
     active: int = 0
+    importing: int = 0  # ImportRequests holding a slot (payload received or being continued)
     tasks: set = field(default_factory=set)  # continuations being relayed to local clients
 
 
-def kv_bytes_estimate(blocks: int, shape, block_size: int, dtype_bytes: int) -> int:
-    """A request's KV over every layer and KV head (what a MIGRATE sends)."""
-    return blocks * shape.num_layers * shape.num_kv_heads * block_size * 2 * shape.head_size * dtype_bytes
+# ---------------------------------------------------------------------------- import checks (pure)
+
+MAX_TEMPERATURE = 100.0
+MAX_ADDRESS = 255
+
+
+def _bad(msg: str) -> InvalidArgument:
+    return InvalidArgument(f"ImportRequest: {msg}")
+
+
+def check_header(h: pb.ImportHeader, lim: ImportLimits) -> ImportPlan:
+    """Everything the header claims, checked against this agent before any byte of payload is
+    read or anything reaches the engine. Raises InvalidArgument (FailedPrecondition for a KV
+    block size this engine does not use)."""
+    validate.name("request_id", h.request_id, required=True)
+    prompt, out = h.prompt_token_ids, h.output_token_ids
+    if not prompt:
+        raise _bad("prompt_token_ids is required")
+    if h.max_tokens < 1:
+        raise _bad("max_tokens (the original request's) is required")
+    if len(prompt) + h.max_tokens > lim.max_model_len:
+        raise _bad(f"{len(prompt)} prompt tokens + max_tokens {h.max_tokens} exceed this "
+                   f"agent's max_model_len {lim.max_model_len}")
+    if len(out) >= h.max_tokens:
+        raise _bad(f"{len(out)} output tokens already reach max_tokens {h.max_tokens}: "
+                   "nothing is left to generate")
+    if lim.vocab_size <= 0:
+        raise FailedPrecondition("this model's vocabulary size is unknown (config.json has no "
+                                 "vocab_size): imports are refused")
+    top = max(max(prompt), max(out, default=0))
+    if top >= lim.vocab_size:
+        raise _bad(f"token id {top} is outside this model's vocabulary "
+                   f"(0..{lim.vocab_size - 1})")
+    t = h.temperature
+    if not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+        raise _bad(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (got {t})")
+    if not h.kv_bytes:
+        return ImportPlan(h.request_id, 0)
+    if lim.block_size <= 0:
+        raise FailedPrecondition("the engine is not ready for KV imports yet")
+    if h.block_size != lim.block_size:
+        raise FailedPrecondition(f"KV from block size {h.block_size} cannot load into block "
+                                 f"size {lim.block_size}; migrate with RECOMPUTE")
+    if lim.kv_dtype not in KV_DTYPES:
+        raise FailedPrecondition(f"this engine's KV dtype {lim.kv_dtype} cannot be imported; "
+                                 "migrate with RECOMPUTE")
+    tokens = len(prompt) + len(out)
+    if tokens < 2:
+        raise _bad("a KV payload needs at least 2 tokens (it holds all but the last)")
+    blocks = tuple(b for b in lim.blocks_for(tokens)
+                   if 2 <= h.kv_bytes - 8 - b * lim.block_bytes <= lim.max_header_bytes)
+    if not blocks:
+        want = [8 + b * lim.block_bytes for b in lim.blocks_for(tokens)]
+        raise _bad(f"kv_bytes {h.kv_bytes} is not the size of {tokens - 1} tokens of this "
+                   f"model's KV ({' or '.join(map(str, want))} bytes of tensors plus a "
+                   f"safetensors header of at most {lim.max_header_bytes} bytes)")
+    return ImportPlan(h.request_id, h.kv_bytes, blocks)
+
+
+
+
+# ---------------------------------------------------------------------------- migration targets
+
+def check_address(field_name: str, value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if (len(value) > MAX_ADDRESS or not host or not port.isdigit()
+            or not 0 < int(port) < 65536 or not value.isprintable() or " " in value):
+        raise InvalidArgument(f"{field_name} must be host:port (at most {MAX_ADDRESS} "
+                              f"characters), got {value[:32]!r}")
+    return value
+
+
+def match_target(nodes: Iterable[tuple[str, str]], target_node: str, target_address: str,
+                 self_node: str) -> tuple[str, str]:
+    """(node, address) of the registered node a MigrateRequest names — by name (its registered
+    address is used; a different ``target_address`` is refused) or by address. Pure.
+    Raises PermissionDenied when it is no registered node."""
+    nodes = list(nodes)
+    if target_node:
+        addr = next((a for n, a in nodes if n == target_node), None)
+        if addr is None:
+            raise PermissionDenied(f"target node {target_node!r} is not registered with the "
+                                   "controller: requests go only to registered nodes")
+        if target_address and target_address != addr:
+            raise PermissionDenied(f"target_address {target_address!r} is not the address node "
+                                   f"{target_node!r} registered ({addr})")
+        name = target_node
+    else:
+        name = next((n for n, a in nodes if a == target_address), None)
+        if name is None:
+            raise PermissionDenied(f"target {target_address!r} is not the address of a node "
+                                   "registered with the controller: requests go only to "
+                                   "registered nodes")
+        addr = target_address
+    if name == self_node:
+        raise FailedPrecondition(f"target {name} is this node")
+    return name, addr
+
+
+async def resolve_target(agent, request: pb.MigrateRequestRequest) -> tuple[str, str]:
+    """Where a MigrateRequest may send the request: (node name, address). A ``--migration-peers``
+    address as given; otherwise a node the controller has registered (asked with this agent's
+    credential). Nothing is sent anywhere else."""
+    s = agent.cfg.settings
+    addr, node = request.target_address, request.target_node
+    if addr and addr in (s.migration_peers or ()):
+        return node or addr, addr
+    if not s.controller:
+        raise FailedPrecondition(
+            f"target {addr or node!r} is not one of this agent's migration peers and the agent "
+            "has no controller to ask whether it is a registered node (set --migration-peers "
+            "or --controller)")
+    try:
+        async with aio_channel(s.controller, agent.cfg.credentials.only(Role.AGENT),
+                               options=channel_options()) as ch:
+            resp = await controller_pb2_grpc.ControllerStub(ch).ListNodes(
+                controller_pb2.ListNodesRequest(), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        raise Unavailable(f"cannot ask the controller {s.controller} whether the target is a "
+                          f"registered node ({exc.code().name}); the request stays here") from None
+    return match_target(((n.node, n.agent_address) for n in resp.nodes), node, addr, s.node)
+
+
+def peer_channel_credentials(settings) -> grpc.ChannelCredentials | None:
+    """TLS for agent-to-agent links: the target's certificate checked against ``peer_tls_ca``;
+    with ``tls_client_cert`` this agent presents its own (mutual TLS)."""
+    if not settings.peer_tls_ca:
+        return None
+    return channel_tls(settings.peer_tls_ca, settings.tls_client_cert, settings.tls_client_key)
 
 
 def decide_one(st: MigrationState, info: dict, kv_bytes: int, mode: int, limit_bps: float,
@@ -102,21 +243,36 @@ async def _wait_for_request(agent, rid: str, tokens: int, timeout: float = 120.0
 async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator[pb.MigrateRequestEvent]:
     st: MigrationState = agent.migration
     node = agent.cfg.settings.node
-    poison, wait_tokens = request.test_poison_kv, request.test_wait_output_tokens
-    if (poison or wait_tokens) and not agent.cfg.settings.enable_fault_injection:
-        raise InvalidArgument("test_poison_kv / test_wait_output_tokens need the agent's fault "
-                              "injection setting (tests only)")
-    if not request.target_address or not (request.request_id or wait_tokens):
-        raise InvalidArgument("request_id and target_address are required")
+    # a test-only control armed through the FaultInjection service (that setting only); the
+    # call takes it whatever happens next, so a refused call leaves nothing armed behind
+    armed = (agent.faults.take_migration(request.request_id) if agent.faults is not None
+             else NO_MIGRATION_FAULT)
+    wait_tokens = armed.wait_output_tokens
+    if not (request.target_address or request.target_node) or not (request.request_id
+                                                                      or wait_tokens):
+        raise InvalidArgument("request_id and target_address (or target_node) are required")
+    validate.name("request_id", request.request_id)
+    validate.name("target_node", request.target_node)
+    for name in ("bandwidth_limit_bps", "slo_budget_seconds"):
+        v = getattr(request, name)
+        if not math.isfinite(v) or v < 0:
+            raise InvalidArgument(f"{name} must be a finite number >= 0 (got {v})")
+    if request.mode not in pb.RecoveryMode.values():
+        raise InvalidArgument(f"unknown mode {request.mode}")
+    if request.target_address:
+        check_address("target_address", request.target_address)
     rid = request.request_id
-    dst = request.target_node or request.target_address
-    channel = grpc.aio.insecure_channel(request.target_address)
+    # only to a registered node (or a configured peer): nothing is sent before this
+    dst, address = await resolve_target(agent, request)
+    channel = aio_channel(address, agent.cfg.credentials.only(Role.AGENT),
+                          channel_credentials=peer_channel_credentials(agent.cfg.settings),
+                          options=channel_options())
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout=5)
     except asyncio.TimeoutError:
         await channel.close()
-        raise Unavailable(f"target agent {request.target_address} unreachable; "
-                          f"the request stays here") from None
+        raise Unavailable(f"target agent {address} unreachable (or its TLS certificate was "
+                          f"not accepted); the request stays here") from None
     try:
         if wait_tokens:
             rid = await _wait_for_request(agent, rid, wait_tokens)
@@ -162,7 +318,7 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
         await channel.close()
     else:
         task = asyncio.create_task(_continue_elsewhere(agent, channel, rid, dst, decision, state,
-                                                       request, events))
+                                                       request, events, armed.poison_kv))
         st.tasks.add(task)
         task.add_done_callback(st.tasks.discard)
     yield pb.MigrateRequestEvent(decision=decision)
@@ -178,7 +334,8 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
 
 
 async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, state: dict,
-                              request: pb.MigrateRequestRequest, events: asyncio.Queue) -> None:
+                              request: pb.MigrateRequestRequest, events: asyncio.Queue,
+                              poison_kv: bool = False) -> None:
     """Send the request (state, KV payload when migrating) to the target's ImportRequest; relay
     each continuation event to this node's client (:meth:`EngineHandle.relay`) and to
     ``events``. The client's stream ends with the target's finish, or with a retryable error
@@ -193,7 +350,7 @@ async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, stat
         with open(payload, "rb") as f:
             data = f.read()
         os.unlink(payload)
-        if request.test_poison_kv:  # test-only control: same size, KV zeroed (header valid)
+        if poison_kv:  # test-only control: same size, KV zeroed (header valid)
             head = 8 + int.from_bytes(data[:8], "little")
             data = data[:head] + bytes(len(data) - head)
         chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
@@ -224,6 +381,9 @@ async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, stat
                 log.info("migration.transferred", request_id=rid,
                          kv_bytes=header.kv_bytes, seconds=round(took, 4),
                          paused_s=round(state["paused_seconds"], 4))
+            vocab = agent.cfg.model.vocab_size
+            if vocab and any(t >= vocab for t in ev.token_ids):
+                raise Unavailable(f"target {dst} sent token ids outside the vocabulary")
             wants_more = agent.engine.relay(rid, list(ev.token_ids),
                                             ev.finish_reason if ev.finished else "")
             if ev.finished:
@@ -259,6 +419,10 @@ async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, stat
 
 
 async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterator[pb.ImportEvent]:
+    """Continue a request that started elsewhere. The header and the payload are checked in full
+    (:func:`check_header`, :func:`check_payload`) before anything reaches the engine; the payload
+    lives in the agent's private import directory under a generated name while the engine loads
+    it. At most ``max_concurrent_migrations`` imports at once (RESOURCE_EXHAUSTED beyond)."""
     it = chunks.__aiter__()
     try:
         first = await it.__anext__()
@@ -266,28 +430,31 @@ async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterat
         raise InvalidArgument("ImportRequest needs a header chunk") from None
     if not first.HasField("header"):
         raise InvalidArgument("the first ImportRequest chunk must carry the header")
+    if first.kv:
+        raise InvalidArgument("the header chunk carries no KV bytes")
     h = first.header
-    if not h.request_id or not h.prompt_token_ids:
-        raise InvalidArgument("header needs request_id and prompt_token_ids")
-    if h.kv_bytes and h.block_size != agent.block_size:
-        raise FailedPrecondition(f"KV from block size {h.block_size} cannot load into block "
-                                 f"size {agent.block_size}; migrate with RECOMPUTE")
-    payload, t0 = None, time.perf_counter()
-    if h.kv_bytes:
-        payload = os.path.join(agent.state_dir, f"import-{h.request_id}-{time.monotonic_ns()}.st")
-        got = 0
-        with open(payload, "wb") as f:
-            async for c in it:
-                f.write(c.kv)
-                got += len(c.kv)
-        if got != h.kv_bytes:
-            os.unlink(payload)
-            raise InvalidArgument(f"KV payload incomplete: {got} of {h.kv_bytes} bytes")
+    lim = agent.import_limits()
+    plan = check_header(h, lim)
     if agent.status not in ("serving", "switching"):
         raise FailedPrecondition(f"engine is {agent.status}, not serving")
-    received = time.perf_counter()
-    sent_text, sent_tokens, first_ev = 0, 0, True
+    st: MigrationState = agent.migration
+    if st.importing >= st.max_concurrent:
+        raise ResourceExhausted(f"{st.importing} imports are running (at most "
+                                f"{st.max_concurrent}); retry later")
+    st.importing += 1
+    payload, t0 = None, time.perf_counter()
     try:
+        if plan.kv_bytes:
+            s = agent.cfg.settings
+            payload = await _receive_payload(
+                agent.import_dir, it, plan.kv_bytes,
+                s.import_receive_seconds + plan.kv_bytes / s.import_min_receive_bps)
+            await asyncio.get_running_loop().run_in_executor(
+                None, _check_payload_file, payload, plan, lim)
+        if agent.status not in ("serving", "switching"):
+            raise FailedPrecondition(f"engine is {agent.status}, not serving")
+        received = time.perf_counter()
+        sent_text, sent_tokens, first_ev = 0, 0, True
         async for out in agent.engine.import_request(
                 h.request_id, list(h.prompt_token_ids), list(h.output_token_ids), h.max_tokens,
                 h.temperature, h.ignore_eos, payload):
@@ -305,5 +472,51 @@ async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterat
             sent_tokens, sent_text = len(o.token_ids), len(o.text)
             yield ev
     finally:
+        st.importing -= 1
         if payload and os.path.exists(payload):
             os.unlink(payload)
+
+
+async def _receive_payload(directory: str, it, kv_bytes: int,
+                           deadline_s: float = float("inf")) -> str:
+    """The KV chunks into a new 0600 file with a generated name in ``directory`` (the agent's
+    private import directory); refused as soon as they pass ``kv_bytes``, or when they have not
+    all arrived within ``deadline_s`` (UNAVAILABLE: the sender or its link is too slow; the
+    import slot is freed). Returns its path."""
+    path = os.path.join(directory, f"import-{uuid.uuid4().hex}.safetensors")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    got, ok = 0, False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            try:
+                async with asyncio.timeout(deadline_s if math.isfinite(deadline_s) else None):
+                    async for c in it:
+                        if c.HasField("header"):
+                            raise InvalidArgument("ImportRequest: only the first chunk carries "
+                                                  "a header")
+                        got += len(c.kv)
+                        if got > kv_bytes:
+                            raise InvalidArgument(f"ImportRequest: KV payload exceeds the "
+                                                  f"announced kv_bytes {kv_bytes}")
+                        f.write(c.kv)
+            except TimeoutError:
+                raise Unavailable(f"ImportRequest: {got} of {kv_bytes} KV bytes arrived in "
+                                  f"{deadline_s:.0f} s; the sender is too slow (retry, or "
+                                  "RECOMPUTE)") from None
+        if got != kv_bytes:
+            raise InvalidArgument(f"KV payload incomplete: {got} of {kv_bytes} bytes")
+        ok = True
+        return path
+    finally:
+        if not ok:
+            os.unlink(path)
+
+
+def _check_payload_file(path: str, plan: ImportPlan, lim: ImportLimits) -> None:
+    """:func:`check_payload` on the received file (mapped, read-only); removes it if refused."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            check_payload(m, plan, lim)
+    except Exception:
+        os.unlink(path)
+        raise

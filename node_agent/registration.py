@@ -15,7 +15,11 @@ from node_agent import convert
 from remp import logs
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.auth import Credentials, aio_channel
+from remp.errors import (InvalidArgument, NotFound, Unauthenticated, Unavailable,
+                         error_from_rpc)
 from remp.grpc_util import channel_options
+from remp.transaction import Outcome
 
 if TYPE_CHECKING:
     from node_agent.agent import NodeAgent
@@ -28,7 +32,7 @@ def measured_bandwidths(agent: "NodeAgent") -> tuple[float, float]:
     warm-up visits included): what the controller's planner predicts with."""
     kv_b = kv_s = w_b = w_s = 0.0
     for rec in agent.records.values():
-        if rec.outcome != "succeeded":
+        if rec.outcome != Outcome.SUCCEEDED:
             continue
         secs = rec.phase_seconds()
         kv_b += rec.kv_bytes_moved
@@ -82,15 +86,15 @@ async def heartbeat_request(agent: "NodeAgent", window: TrafficWindow
     return controller_pb2.HeartbeatRequest(
         node=agent.cfg.settings.node, topology=convert.topology_to_proto(agent.topology),
         engine_status=convert.ENGINE_STATUS.get(agent.status, 0), traffic=traffic,
-        inflight=inflight)
+        inflight=inflight, topology_epoch=agent.topology_epoch)
 
 
 async def keep_registered(agent: "NodeAgent", controller: str, agent_address: str,
-                          token: str | None) -> None:
-    md = (("authorization", f"Bearer {token}"),) if token else None
+                          creds: Credentials) -> None:
+    md = None  # the channel sends the agent's token (remp.auth)
     backoff = 0.5
     window = TrafficWindow()
-    async with grpc.aio.insecure_channel(controller, options=channel_options()) as ch:
+    async with aio_channel(controller, creds, options=channel_options()) as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
         registered, lease = False, 10.0
         while True:
@@ -99,6 +103,8 @@ async def keep_registered(agent: "NodeAgent", controller: str, agent_address: st
                     r = await stub.RegisterNode(register_request(agent, agent_address),
                                                 metadata=md, timeout=5)
                     lease, registered, backoff = r.lease_seconds or lease, True, 0.5
+                    # our topology was written as the node's at this epoch
+                    agent.topology_epoch = max(agent.topology_epoch, r.epoch)
                     log.info("agent.registered", controller=controller, lease_s=lease)
                 else:
                     r = await stub.Heartbeat(await heartbeat_request(agent, window), metadata=md, timeout=5)
@@ -106,16 +112,19 @@ async def keep_registered(agent: "NodeAgent", controller: str, agent_address: st
                 await asyncio.sleep(max(0.1, min(lease / 3, agent.cfg.settings.heartbeat_seconds
                                                  or lease / 3)))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                err = error_from_rpc(exc)
+                if isinstance(err, NotFound):
                     registered = False  # the controller forgot us (new Redis): register again
                     continue
-                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
-                    log.error("agent.registration_refused", code=exc.code().name,
-                              detail=exc.details())
+                if isinstance(err, (Unauthenticated, InvalidArgument)):
+                    log.error("agent.registration_refused", code=err.code.name,
+                              detail=err.details)
                     await asyncio.sleep(30)
                     continue
                 log.warning("agent.controller_unreachable", controller=controller,
-                            code=exc.code().name, retry_s=backoff)
-                registered = False if exc.code() == grpc.StatusCode.UNAVAILABLE else registered
+                            code=err.code.name, retry_s=backoff)
+                registered = False if isinstance(err, Unavailable) else registered
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                # never wait longer than a heartbeat interval: a controller restart must not
+                # cost this node its lease (it would be marked lost and its requests recovered)
+                backoff = min(backoff * 2, 10.0, max(0.5, lease / 3))

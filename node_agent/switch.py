@@ -1,8 +1,10 @@
 """Runs one switch transaction against the live engine, phase by phase (front-end side).
 
 The order and legality of phases come from :mod:`remp.transaction` (one table); each phase is one
-call into the engine (pause, or a ``remp_sw_*`` engine-core utility that drives the workers). A
-failure before SERVING_NEW rolls back to the old topology with the KV intact and resumes serving.
+typed call into the engine (:class:`~node_agent.engine_plugin.EngineHandle`: pause, or a switch
+step the engine core runs on the workers). A failure before SERVING_NEW rolls back to the old
+topology with the KV intact and resumes serving; an
+:class:`~node_agent.engine_plugin.steps.EngineStepFailed` says in which phase it failed.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from node_agent.engine_plugin.steps import EngineStepFailed
 from remp import logs
 from remp.kvplan import layer_bytes
 from remp.topology import Topology
-from remp.transaction import DATA_PATH, Phase, SwitchMachine
+from remp.transaction import (Outcome, Phase, Rollback, SwitchMachine, abort_honoured_on_entry,
+                              rollback_from)
 
 log = logs.get_logger("remp.node_agent.switch")
 PHASE_TIMEOUT_S = 300.0
@@ -28,7 +32,7 @@ class SwitchRecord:
     node: str
     from_topology: Topology
     to_topology: Topology
-    outcome: str = "running"  # running | succeeded | rolled_back | failed | noop
+    outcome: Outcome = Outcome.RUNNING
     phase: Phase = Phase.SERVING_OLD
     timings: list[tuple[Phase, float, float]] = field(default_factory=list)  # phase, wall start, s
     kv_bytes_moved: int = 0
@@ -79,11 +83,6 @@ class SwitchAborted(RuntimeError):
     """An operator aborted the switch before MIGRATE_KV; it rolls back, outcome ``aborted``."""
 
 
-# Abort is honoured when entering any of these (so never once KV has started to move).
-ABORTABLE_ENTRIES = frozenset({Phase.QUIESCING, Phase.PREPARING_WORKERS, Phase.MPU_APPLIED,
-                               Phase.MIGRATE_KV})
-
-
 async def _call(coro, what: str):
     try:
         return await asyncio.wait_for(coro, timeout=PHASE_TIMEOUT_S)
@@ -103,14 +102,13 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         return wall0 + (mono - mono0)
 
     async def enter(phase: Phase, detail: str = "") -> None:
-        if record.abort_reason is not None and phase in ABORTABLE_ENTRIES:
+        if record.abort_reason is not None and abort_honoured_on_entry(phase):
             raise SwitchAborted(f"aborted before {phase.name}: {record.abort_reason}")
         m.advance(phase)
         record.phase = phase
         log.info("switch.phase", switch_id=record.switch_id, phase=phase.name, detail=detail)
         await emit(SwitchEvent(record.switch_id, phase, m.elapsed(), detail))
 
-    touched_workers = False
     freeze_wall = time.time()
     try:
         await enter(Phase.QUIESCING)
@@ -120,26 +118,25 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
             raise InjectedFrontEndFault("injected fault in QUIESCING")
 
         await enter(Phase.PREPARING_WORKERS)
-        touched_workers = True
-        begin = await _call(engine.utility("remp_sw_begin", record.switch_id, tgt.tp, tgt.pp,
-                                           freeze_wall, fault), "PREPARING_WORKERS")
-        record.requests_in_flight = begin["running"]
-        log.info("switch.quiesced", switch_id=record.switch_id, running=begin["running"],
-                 waiting=begin["waiting"])
+        begin = await _call(engine.begin_switch(record.switch_id, tgt.tp, tgt.pp, freeze_wall,
+                                                fault), "PREPARING_WORKERS")
+        record.requests_in_flight = begin.running
+        log.info("switch.quiesced", switch_id=record.switch_id, running=begin.running,
+                 waiting=begin.waiting)
 
         old_w, new_w = record.from_topology.world_size, tgt.world_size
         record.ranks_woken = list(range(old_w, new_w))
         record.ranks_parked = list(range(new_w, old_w))
         await enter(Phase.MPU_APPLIED, _ranks_detail(record))
-        await _call(engine.utility("remp_sw_activate", tgt.tp, tgt.pp, fault), "MPU_APPLIED")
+        await _call(engine.activate(tgt.tp, tgt.pp, fault), "MPU_APPLIED")
 
         await enter(Phase.MIGRATE_KV, "concurrent with RELOAD_SHARDS" if overlap else "")
         if overlap:
             await enter(Phase.RELOAD_SHARDS, "concurrent with MIGRATE_KV")
-        dp = await _call(engine.utility("remp_sw_data_path", overlap, fault), "data path")
-        workers = dp["workers"]
-        record.workers = workers
-        log.info("switch.data_path", switch_id=record.switch_id, live_blocks=dp["live_blocks"],
+        dp = await _call(engine.data_path(overlap, fault), "data path")
+        workers = dp.workers
+        record.workers = list(workers)
+        log.info("switch.data_path", switch_id=record.switch_id, live_blocks=dp.live_blocks,
                  workers=[{k: w.get(k) for k in ("rank", "kv_seconds", "reload_seconds",
                                                  "reload_breakdown")} for w in workers])
         kv_window = (min(w["kv_window"][0] for w in workers), max(w["kv_window"][1] for w in workers))
@@ -153,48 +150,48 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         record.kv_bytes_moved = sum(w["kv"]["bytes_sent"] for w in workers)
         record.weight_bytes_loaded = sum(w.get("weight_bytes", 0) for w in workers)
         record.peak_extra_mem_bytes = max(w["kv"]["peak_extra_bytes"] for w in workers)
-        record.layer_kv_bytes = layer_bytes(model_shape.num_kv_heads, dp["num_blocks"],
+        record.layer_kv_bytes = layer_bytes(model_shape.num_kv_heads, dp.num_blocks,
                                             kv_block_bytes_per_head)
-        record.pool_blocks_before = dp["num_blocks"]
-        record.pool_blocks_after = dp.get("new_num_blocks", dp["num_blocks"])
+        record.pool_blocks_before = dp.num_blocks
+        record.pool_blocks_after = dp.new_num_blocks
 
         await enter(Phase.REBINDING)
-        rb = await _call(engine.utility("remp_sw_rebind", fault), "REBINDING")
+        rb = await _call(engine.rebind(fault), "REBINDING")
         engine.set_topology(tgt.tp, tgt.pp)
-        record.requests_preempted = rb["preempted"]
-        record.preempted_request_ids = list(rb.get("displaced", []))
-        record.pool_blocks_after = rb.get("num_blocks", dp["num_blocks"])
+        record.requests_preempted = rb.preempted
+        record.preempted_request_ids = list(rb.displaced)
+        record.pool_blocks_after = rb.num_blocks
         if record.pool_blocks_after != record.pool_blocks_before:
             log.info("switch.pool_resized", switch_id=record.switch_id,
                      blocks_before=record.pool_blocks_before, blocks_after=record.pool_blocks_after,
-                     displaced=record.preempted_request_ids, renumbered=rb.get("renumbered", 0),
+                     displaced=record.preempted_request_ids, renumbered=rb.renumbered,
                      ranks_woken=record.ranks_woken, ranks_parked=record.ranks_parked)
-        record.requests_held = rb["held"]
+        record.requests_held = rb.held
         await _call(engine.resume(), "resume")
         await enter(Phase.SERVING_NEW)
-        record.outcome = "succeeded"
+        record.outcome = Outcome.SUCCEEDED
     except Exception as exc:  # noqa: BLE001 - every failure before SERVING_NEW rolls back
-        failed_at = record.phase
-        if failed_at in DATA_PATH:  # both run at once: the worker says which one failed
-            failed_at = Phase.MIGRATE_KV if "[MIGRATE_KV]" in str(exc) else Phase.RELOAD_SHARDS
+        # the engine says where it failed (MIGRATE_KV and RELOAD_SHARDS may run at once)
+        failed_at = exc.phase if isinstance(exc, EngineStepFailed) else record.phase
         log.warning("switch.failed", switch_id=record.switch_id, phase=failed_at.name,
                     error=f"{type(exc).__name__}: {exc}")
         record.error = (_code(exc), f"{type(exc).__name__}: {exc}"[:500], failed_at)
-        if record.phase == Phase.SERVING_OLD:  # aborted before anything happened
+        rollback = rollback_from(record.phase)
+        if rollback is Rollback.NOTHING:  # aborted before anything happened
             m.advance(Phase.ROLLED_BACK)
-            record.phase, record.outcome = Phase.ROLLED_BACK, "rolled_back"
+            record.phase, record.outcome = Phase.ROLLED_BACK, Outcome.ROLLED_BACK
         else:
-            await _roll_back(engine, record, m, enter, touched_workers)
-        if record.outcome == "rolled_back" and isinstance(exc, SwitchAborted):
-            record.outcome = "aborted"
-    if record.outcome == "succeeded":
+            await _roll_back(engine, record, m, enter, rollback.touches_workers)
+        if record.outcome == Outcome.ROLLED_BACK and isinstance(exc, SwitchAborted):
+            record.outcome = Outcome.ABORTED
+    if record.outcome == Outcome.SUCCEEDED:
         # serving on the new topology already: what follows only measures and tidies up
         try:
-            await _call(engine.utility("remp_sw_commit"), "commit")
+            await _call(engine.commit_switch(), "commit")
         except Exception as exc:  # noqa: BLE001 - old objects stay referenced; harmless
             log.warning("switch.commit_failed", switch_id=record.switch_id, error=repr(exc))
-        start = min(freeze_wall, rb["first_held_arrival"] or freeze_wall)
-        if rb["in_flight"] or rb["held"]:
+        start = min(freeze_wall, rb.first_held_arrival or freeze_wall)
+        if rb.in_flight or rb.held:
             first = await _first_token(engine)
             record.downtime_s = (first or time.time()) - start
         else:
@@ -220,23 +217,23 @@ async def _roll_back(engine, record: SwitchRecord, m: SwitchMachine, enter, touc
     try:
         await enter(Phase.ROLLING_BACK)
         if touched:
-            await _call(engine.utility("remp_sw_rollback"), "rollback")
+            await _call(engine.rollback_switch(), "rollback")
         engine.set_topology(from_.tp, from_.pp)
         await _call(engine.resume(), "resume")
         await enter(Phase.ROLLED_BACK)
-        record.outcome = "rolled_back"
+        record.outcome = Outcome.ROLLED_BACK
     except Exception as exc:  # noqa: BLE001 - the engine is in an unknown state
         log.error("switch.rollback_failed", switch_id=record.switch_id, error=repr(exc))
         record.error = ("ROLLBACK_FAILED", f"{type(exc).__name__}: {exc}"[:500], record.phase)
         if m.can(Phase.FAILED):
             await enter(Phase.FAILED)
-        record.outcome = "failed"
+        record.outcome = Outcome.FAILED
 
 
 async def _first_token(engine) -> float | None:
     deadline = time.monotonic() + FIRST_TOKEN_WAIT_S
     while time.monotonic() < deadline:
-        t = await engine.utility("remp_sw_first_token")
+        t = await engine.first_token_wall()
         if t is not None:
             return t
         await asyncio.sleep(0.002)

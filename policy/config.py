@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from policy.decide import PolicyConfig
+from policy.scale import ScaleConfig
 
 MODES = ("auto", "advisory", "off")
 
@@ -20,7 +22,9 @@ class PolicySettings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus "
                                      "/metrics on this port (0: a free one, logged); unset: off")
     controller: str = Field(description="controller host:port (GetTraffic, Reconfigure, ...)")
-    token: str | None = Field(None, description="bearer token the controller requires")
+    credentials_file: Path | None = Field(
+        None, description="who may call the policy, and the token it sends the controller "
+        "(remp.auth); default $REMP_CREDENTIALS_FILE / $REMP_TOKEN_<ROLE>")
     controller_timeout_s: float = Field(10.0, gt=0, description="deadline of every controller call")
     redis_url: str | None = Field(None, description="keep decisions and modes in Redis; unset: "
                                   "in memory only")
@@ -34,11 +38,23 @@ class PolicySettings(BaseSettings):
     tick_seconds: float = Field(5.0, gt=0, description="how often the loop reads traffic and decides")
     window_seconds: float = Field(60.0, gt=0, description="traffic is aggregated into windows of "
                                   "this length; the forecasters see one rate per window")
+    objective: Literal["gpu-hours", "latency", "goodput"] = Field(
+        "gpu-hours", description="gpu-hours: the fewest GPUs keeping the SLO (the rest "
+        "released); latency: the whole host, lowest TPOT; goodput: the older SLO-goodput core "
+        "(same world size only)")
     horizon_seconds: float = Field(PolicyConfig.horizon_s, gt=0)
-    min_dwell_seconds: float = Field(PolicyConfig.min_dwell_s, ge=0)
-    max_switches_per_day: int = Field(PolicyConfig.max_switches_per_day, ge=0)
-    hysteresis: float = Field(PolicyConfig.hysteresis, ge=0)
-    dwell_override: float = Field(PolicyConfig.dwell_override, gt=0)
+    min_dwell_seconds: float | None = Field(None, ge=0, description="no scale-down / switch "
+                                            "sooner than this after the last switch (default: "
+                                            "goodput 1800; gpu-hours and latency 0, plus two "
+                                            "windows)")
+    max_switches_per_day: int | None = Field(None, ge=0, description="rolling 24 h (default: "
+                                             "goodput 6; gpu-hours and latency 12, scale-ups "
+                                             "never held)")
+    loss_budget: float = Field(ScaleConfig.loss_budget, gt=0, lt=1, description="gpu-hours: "
+                               "the expected share of the whole host's in-SLO requests a "
+                               "choice may lose")
+    hysteresis: float = Field(PolicyConfig.hysteresis, ge=0, description="goodput only")
+    dwell_override: float = Field(PolicyConfig.dwell_override, gt=0, description="goodput only")
     retry_backoff_seconds: float = Field(30.0, ge=0, description="after a Reconfigure that did not "
                                          "get an answer, wait this long before asking again (same "
                                          "request id)")
@@ -50,9 +66,28 @@ class PolicySettings(BaseSettings):
             raise ValueError("controller must be host:port")
         if self.horizon_seconds < self.window_seconds:
             raise ValueError("horizon_seconds must be at least one window_seconds")
+        if self.objective != "goodput" and self.max_switches_per_day == 0:
+            raise ValueError("max_switches_per_day must be at least 1 for objective "
+                             f"{self.objective} (scale-ups are never held by it)")
         return self
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(horizon_s=self.horizon_seconds, min_dwell_s=self.min_dwell_seconds,
-                            max_switches_per_day=self.max_switches_per_day,
+        """The goodput core's configuration."""
+        d = PolicyConfig()
+        return PolicyConfig(horizon_s=self.horizon_seconds,
+                            min_dwell_s=d.min_dwell_s if self.min_dwell_seconds is None
+                            else self.min_dwell_seconds,
+                            max_switches_per_day=d.max_switches_per_day
+                            if self.max_switches_per_day is None else self.max_switches_per_day,
                             hysteresis=self.hysteresis, dwell_override=self.dwell_override)
+
+    def scale_config(self) -> ScaleConfig:
+        """The gpu-hours / latency core's configuration (goodput: the impact's)."""
+        d = ScaleConfig()
+        return ScaleConfig(objective="latency" if self.objective == "latency" else "gpu-hours",
+                           horizon_s=self.horizon_seconds,
+                           min_dwell_s=d.min_dwell_s if self.min_dwell_seconds is None
+                           else self.min_dwell_seconds,
+                           max_switches_per_day=d.max_switches_per_day
+                           if not self.max_switches_per_day else self.max_switches_per_day,
+                           loss_budget=self.loss_budget)

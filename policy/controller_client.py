@@ -1,5 +1,5 @@
 """The policy's client of the controller (I/O edge behind ``policy.service.ControllerPort``):
-one grpc.aio channel, a deadline on every call, the bearer token on mutating calls, and gRPC
+one grpc.aio channel, a deadline on every call, the policy's credential (remp.auth), and gRPC
 statuses turned back into the typed ``remp.errors`` (one table)."""
 
 from __future__ import annotations
@@ -8,21 +8,17 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from policy.service import NodeView, ReconfigureResult, Sample
+from remp.auth import Credentials, aio_channel
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
 from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError,
-                         Unauthenticated, Unavailable)
+                         Unauthenticated, Unavailable, error_from_rpc)
 from remp.grpc_util import channel_options
 from remp.topology import Topology
 
-_ERRORS: dict[grpc.StatusCode, type[RempError]] = {
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-}
+# The controller's answers the policy acts on; any other failure (a deadline, the controller
+# misbehaving) is Unavailable to it: try again later, same request id.
+ANSWERS = (Unavailable, NotFound, InvalidArgument, FailedPrecondition, Unauthenticated)
 _HEALTH = {
     controller_pb2.NODE_HEALTH_READY: "ready",
     controller_pb2.NODE_HEALTH_SWITCHING: "switching",
@@ -32,13 +28,12 @@ _HEALTH = {
 
 
 def _typed(exc: grpc.aio.AioRpcError, address: str) -> RempError:
-    cls = _ERRORS.get(exc.code(), Unavailable)  # anything else: the controller misbehaves
-    detail = exc.details() or exc.code().name
-    if cls is Unavailable and exc.code() != grpc.StatusCode.UNAVAILABLE:
-        detail = f"controller at {address}: {exc.code().name} {detail}"
-    elif exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in detail.lower():
-        detail = f"controller at {address} unreachable: {detail}"
-    return cls(detail)
+    err = error_from_rpc(exc)
+    if not isinstance(err, ANSWERS):
+        return Unavailable(f"controller at {address}: {exc.code().name} {err}")
+    if isinstance(err, Unavailable) and "failed to connect" in str(err).lower():
+        return Unavailable(f"controller at {address} unreachable: {err}")
+    return err
 
 
 def topo_to_proto(t: Topology) -> types_pb2.Topology:
@@ -70,18 +65,18 @@ def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
 
 
 class GrpcController:
-    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0):
+    def __init__(self, address: str, creds: Credentials | None = None, timeout: float = 10.0):
         self.address, self.timeout = address, timeout
-        self.md = (("authorization", f"Bearer {token}"),) if token else None
-        self._ch = grpc.aio.insecure_channel(address, options=channel_options())
+        # the channel sends the policy's token where the access table asks for one
+        self._ch = aio_channel(address, creds, options=channel_options())
         self.stub = controller_pb2_grpc.ControllerStub(self._ch)
 
     async def close(self) -> None:
         await self._ch.close()
 
-    async def _call(self, method, req, mutating: bool = False):
+    async def _call(self, method, req):
         try:
-            return await method(req, timeout=self.timeout, metadata=self.md if mutating else None)
+            return await method(req, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise _typed(exc, self.address) from None
 
@@ -99,8 +94,7 @@ class GrpcController:
     async def reconfigure(self, node: str, target: Topology, request_id: str,
                           reason: str) -> ReconfigureResult:
         r = await self._call(self.stub.Reconfigure, controller_pb2.ReconfigureRequest(
-            node=node, target=topo_to_proto(target), request_id=request_id, reason=reason),
-            mutating=True)
+            node=node, target=topo_to_proto(target), request_id=request_id, reason=reason))
         return ReconfigureResult(r.switch_id, r.noop, r.duplicate)
 
     async def record_recommendation(self, node: str, recommended: Topology, reason: str,
@@ -108,4 +102,4 @@ class GrpcController:
         await self._call(self.stub.RecordRecommendation,
                          controller_pb2.RecordRecommendationRequest(
                              node=node, recommended=topo_to_proto(recommended), reason=reason,
-                             decision_id=decision_id), mutating=True)
+                             decision_id=decision_id))

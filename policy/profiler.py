@@ -322,7 +322,10 @@ async def _switch(stub, target: Topology) -> types_pb2.SwitchRecord:
 async def profile_agent(agent: str, http: str | None, cfg: SweepConfig, name: str,
                         topologies: list[Topology] | None = None, slo: SLO | None = None
                         ) -> Profile:
-    async with grpc.aio.insecure_channel(agent, options=channel_options()) as ch:
+    from remp.auth import Credentials, aio_channel
+
+    # ExecuteSwitch takes the controller's credential (remp.auth): profiling is maintenance
+    async with aio_channel(agent, Credentials.load(), options=channel_options()) as ch:
         stub = node_agent_pb2_grpc.NodeAgentStub(ch)
         d = await _describe(stub)
         http = http or d.http_address

@@ -15,6 +15,8 @@ from policy.service import PolicyService
 from policy.servicer import PolicyServicer
 from policy.store import RedisDecisionStore
 from remp import logs, metrics
+from remp.auth import Credentials, Role
+from remp.redisproc import redact_url
 from remp.errors import ConfigError
 from remp.grpc_util import make_server, set_serving
 from remp.policy.v1 import policy_pb2_grpc
@@ -23,8 +25,8 @@ SERVICE_NAME = "remp.policy.v1.Policy"
 log = logs.get_logger("remp.policy")
 
 
-def build_service(s: PolicySettings) -> tuple[PolicyService, GrpcController,
-                                               RedisDecisionStore | None]:
+def build_service(s: PolicySettings, creds: Credentials
+                  ) -> tuple[PolicyService, GrpcController, RedisDecisionStore | None]:
     try:
         profile = load_profile(s.profile)
     except ValueError as exc:
@@ -32,18 +34,21 @@ def build_service(s: PolicySettings) -> tuple[PolicyService, GrpcController,
     d = profile.default_slo
     slo = SLO(s.slo_ttft_ms / 1e3 if s.slo_ttft_ms else d.ttft_s,
               s.slo_tpot_ms / 1e3 if s.slo_tpot_ms else d.tpot_s)
-    ctl = GrpcController(s.controller, s.token, s.controller_timeout_s)
+    ctl = GrpcController(s.controller, creds.only(Role.POLICY), s.controller_timeout_s)
     store = RedisDecisionStore(s.redis_url, s.redis_prefix) if s.redis_url else None
     svc = PolicyService(profile, ctl, slo=slo, config=s.policy_config(),
                         window_s=s.window_seconds, default_mode=s.mode, store=store,
-                        retry_backoff_s=s.retry_backoff_seconds, max_decisions=s.max_decisions)
+                        retry_backoff_s=s.retry_backoff_seconds, max_decisions=s.max_decisions,
+                        objective=s.objective, scale=s.scale_config())
     return svc, ctl, store
 
 
 async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None, bound: list[int] | None = None) -> int:
-    svc, ctl, store = build_service(s)
-    server, health, port = make_server([SERVICE_NAME], s.host, s.port)
+    creds = Credentials.load(s.credentials_file)
+    creds.require_for_server("remp policy serve")
+    svc, ctl, store = build_service(s, creds)
+    server, health, port = make_server([SERVICE_NAME], s.host, s.port, auth=creds)
     if bound is not None:
         bound.append(port)
     policy_pb2_grpc.add_PolicyServicer_to_server(PolicyServicer(svc), server)
@@ -64,9 +69,10 @@ async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
         await set_serving(health, [SERVICE_NAME], True)
         log.info("policy.ready", grpc=f"{s.host}:{port}", controller=s.controller,
                  profile=svc.profile.name, profile_kind=svc.profile.kind, mode=s.mode,
+                 objective=s.objective,
                  tick_s=s.tick_seconds, window_s=s.window_seconds,
                  slo_ttft_ms=svc.slo.ttft_s * 1e3, slo_tpot_ms=svc.slo.tpot_s * 1e3,
-                 redis=s.redis_url or "none (decisions in memory)")
+                 redis=redact_url(s.redis_url) if s.redis_url else "none (decisions in memory)")
         if ready is not None:
             ready.set()
         await stop.wait()

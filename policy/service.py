@@ -10,6 +10,16 @@ controller, aggregates it into fixed windows, forecasts, decides, and acts by mo
   Reconfigure is never called.
 - OFF: forecasts and decides (GetRecommendation answers) but calls nothing.
 
+Objectives (``objective``): ``gpu-hours`` (default) and ``latency`` decide with
+``policy.scale.decide_scale`` over every candidate the node registered that the profile knows
+(any world size: a smaller one leaves the other ranks STANDBY), fed what the trace replay
+(``policy.savings``) feeds it, counted from the windows this service aggregated: the recent
+observed rates, the peak of the last ``peak_s``, yesterday's rate for the coming slot, and the
+day's remaining SLO error budget. ``goodput`` is the older SLO-goodput core
+(``policy.decide.AutoPolicy``, same world size only). Every decision carries an :class:`Impact`:
+its expected GPU-hour saving against the whole host, its risk (expected SLO loss), the ranks it
+releases and the profile it came from.
+
 The controller is behind :class:`ControllerPort` (adapter: ``policy.controller_client``) and the
 decision log behind :class:`DecisionStorePort` (adapter: ``policy.store``), so this module is
 tested against fakes or the real thing alike. Time is an argument (``tick(now)``) or the
@@ -24,11 +34,16 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
-from policy.decide import AutoPolicy, CandidateScore, Decision, PolicyConfig, PolicyState, Scorer
+import numpy as np
+
+from policy.decide import (DAY_S, AutoPolicy, CandidateScore, Decision, PolicyConfig, PolicyState,
+                           Scorer)
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
+from policy.scale import Band, CapacityTable, ScaleConfig, ScaleDecision, decide_scale
+from policy.scale import after as scale_after
 from remp import logs
 from remp import metrics
 from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError, Unauthenticated,
@@ -38,6 +53,7 @@ from remp.topology import Topology
 log = logs.get_logger("remp.policy")
 
 MODES = ("auto", "advisory", "off")
+OBJECTIVES = ("gpu-hours", "latency", "goodput")
 DEFAULT_PAGE, MAX_PAGE = 50, 1000
 MAX_FORECAST_WINDOWS = 20_000
 OBSERVED_KEEP = 500  # samples kept per node for GetForecast.observed
@@ -150,6 +166,210 @@ class WindowAggregator:
             self.next_k += 1
 
 
+# ------------------------------------------------------------------------------ objectives
+
+@dataclass(frozen=True)
+class Window:
+    """One aggregated window of a node: its start, rate (NaN: not covered) and the topology the
+    controller observed when it was aggregated (None: unknown)."""
+
+    t0: float
+    rate: float
+    topology: Topology | None
+
+
+@dataclass(frozen=True)
+class ScaleInputs:
+    """What ``decide_scale`` is fed besides the state, the forecast and the table (the same
+    quantities ``policy.savings.auto_topologies`` feeds it in a replay)."""
+
+    last_rate: float
+    recent: np.ndarray  # the last max(recent_windows, recent_s) windows' rates, NaN kept
+    recent_peak: float  # the highest rate of the last peak_s (NaN: none observed)
+    error_budget: float  # requests: the day's remaining SLO error budget
+    seasonal: float  # yesterday's rate for the coming window (NaN: no day of history)
+
+
+def error_budget(table: CapacityTable, history: Sequence[Window], window_s: float, now_s: float,
+                 bar: float) -> float:
+    """The day's remaining SLO error budget in requests, as ``policy.savings`` counts it: (1 - bar)
+    x the in-SLO requests fixed-best would have served over the windows of the last 24 h, minus
+    the requests the topologies actually held lost against it since the start of today (UTC),
+    switches included. Windows whose topology is unknown or not in the profile lose nothing."""
+    rows = [w for w in history if w.t0 >= now_s - DAY_S - 1e-9 and not math.isnan(w.rate)]
+    if not rows:
+        return 0.0
+    sc = table.scorer
+    rates = np.array([w.rate for w in rows])
+    gbest = sc.goodput_rps(table.fixed_best, rates) * window_s
+    today = np.array([w.t0 for w in rows]) >= math.floor(now_s / DAY_S) * DAY_S
+    topos = [w.topology for w in rows]
+    lost = 0.0
+    for t in set(topos):
+        m = today & np.array([x == t for x in topos])
+        if t is not None and t in sc.curves and m.any():
+            lost += float(np.maximum(gbest[m] - sc.goodput_rps(t, rates[m]) * window_s, 0.0).sum())
+    prev = None
+    for i, t in enumerate(topos):  # switches (rare): the requests each one cost
+        if today[i] and t is not None and prev is not None and prev != t \
+                and t in sc.curves and prev in sc.curves:
+            lost += sc.switch_cost(prev, t, float(rates[i]))
+        prev = t if t is not None else prev
+    return max((1.0 - bar) * float(gbest.sum()) - lost, 0.0)
+
+
+def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
+                 table: CapacityTable, now_s: float) -> ScaleInputs:
+    """``decide_scale``'s observed inputs from a node's window history (oldest first, one
+    window after the other, as the aggregator emits them)."""
+    W = window_s
+    rec_n = max(cfg.recent_windows, cfg.windows(cfg.recent_s, W))
+    peak_n = cfg.windows(cfg.peak_s, W)
+    tail = list(history)[-max(rec_n, peak_n):]
+    rates = np.array([w.rate for w in tail], dtype=float)
+    last = next((float(r) for r in rates[::-1] if not math.isnan(r)), math.nan)
+    past = rates[-peak_n:]
+    peak = float(np.nanmax(past)) if np.any(~np.isnan(past)) else math.nan
+    seasonal = math.nan
+    if history:
+        first, end = history[0].t0, history[-1].t0 + W
+        i = int(round((end - DAY_S - first) / W))
+        if 0 <= i < len(history) and abs(history[i].t0 - (end - DAY_S)) < W / 2:
+            seasonal = history[i].rate
+    budget = (error_budget(table, history, W, now_s, cfg.attainment_bar)
+              if cfg.sizing == "risk" else math.inf)
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal)
+
+
+def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """Loads for the next window and their weights (sum 1): the forecast scenarios, mixed with
+    the recent observed rates at ``weight`` (as ``decide_scale`` weighs them)."""
+    sc = band.scenarios[:, :1].ravel() if band.scenarios.size else np.asarray(band.upper[:1])
+    rec = recent[~np.isnan(recent)] if recent.size else recent
+    if rec.size == 0 or weight <= 0:
+        return sc, np.full(sc.size, 1.0 / max(sc.size, 1))
+    return (np.concatenate([sc, rec]),
+            np.concatenate([np.full(sc.size, (1 - weight) / sc.size),
+                            np.full(rec.size, weight / rec.size)]))
+
+
+@dataclass(frozen=True)
+class ScaleCandidate:
+    """Per candidate, for a gpu-hours / latency decision (remp.policy.v1.CandidateScore): the
+    expected in-SLO requests over the next window, the switch's cost, their difference, the
+    expected SLO loss against the whole host's best (share), the SLO capacity and its GPUs."""
+
+    topology: Topology
+    expected_goodput: float
+    switch_cost: float
+    score: float
+    expected_slo_loss: float = math.nan
+    slo_capacity_rps: float = math.nan
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class ObjectiveDecision:
+    """A ``policy.scale.ScaleDecision`` with what the service adds (the forecaster, the forecast
+    rate, per-candidate numbers); reads like ``policy.decide.Decision`` where they share names."""
+
+    scale: ScaleDecision
+    forecaster: str
+    forecast_rps: float
+    scores: tuple[ScaleCandidate, ...] = ()
+
+    t_s = property(lambda self: self.scale.t_s)
+    current = property(lambda self: self.scale.current)
+    recommended = property(lambda self: self.scale.recommended)
+    switch = property(lambda self: self.scale.switch)
+    reason = property(lambda self: self.scale.reason)
+    text = property(lambda self: self.scale.text)
+    switches_last_day = property(lambda self: self.scale.switches_last_day)
+    objective = property(lambda self: self.scale.objective)
+
+
+@dataclass(frozen=True)
+class Impact:
+    """What a recommendation is expected to do, stated with every decision (every objective)."""
+
+    objective: str
+    profile: str
+    host_gpus: int  # the whole host: the largest world size among the node's candidates
+    gpus: int  # held by the recommended topology
+    released_gpus: tuple[int, ...]  # ranks left STANDBY by it (rank r runs on the agent's GPU r)
+    expected_saving_gpu_hours: float  # vs the whole host, over saving_horizon_s
+    saving_horizon_s: float  # windows of the horizon until the forecast mean leaves its capacity
+    expected_slo_loss: float  # risk: expected share of the whole host's in-SLO requests lost
+    overload_risk: float  # share of forecast scenarios above its SLO capacity next window
+    error_budget: float  # requests left of the day's SLO error budget (NaN: not counted)
+    expected_tpot_saving_ms: float = 0.0  # latency: TPOT vs the current topology
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["released_gpus"] = list(self.released_gpus)
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in d.items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Impact":
+        f = {k: (math.nan if v is None else v) for k, v in d.items()}
+        f["released_gpus"] = tuple(int(x) for x in d.get("released_gpus") or ())
+        return cls(**f)
+
+    def line(self) -> str:
+        rel = (f"releases GPU{'s' if len(self.released_gpus) > 1 else ''} "
+               f"{_ranges(self.released_gpus)}" if self.released_gpus else "whole host")
+        return (f"objective {self.objective}; {self.gpus}/{self.host_gpus} GPUs, {rel}; saves "
+                f"{self.expected_saving_gpu_hours:.3g} GPU-h vs the whole host over "
+                f"{self.saving_horizon_s / 60:.0f} min; expected SLO loss "
+                f"{self.expected_slo_loss:.2%}; profile {self.profile}")
+
+
+def _ranges(xs: Sequence[int]) -> str:
+    xs = sorted(xs)
+    return f"{xs[0]}-{xs[-1]}" if len(xs) > 1 and xs[-1] - xs[0] == len(xs) - 1 else \
+        ",".join(map(str, xs))
+
+
+def impact_of(table: CapacityTable, objective: str, current: Topology, target: Topology,
+              host_gpus: int, band: Band, recent: np.ndarray, cfg: ScaleConfig,
+              budget: float) -> tuple[Impact, tuple[ScaleCandidate, ...]]:
+    """The impact of choosing ``target`` now, and per-candidate numbers (pure)."""
+    sc, W = table.scorer, band.window_s
+    x, wt = load_samples(band, recent, cfg.recent_weight)
+    x = np.maximum(np.nan_to_num(x), 0.0)
+    gb = sc.goodput_rps(table.fixed_best, x)
+    base = float(np.dot(wt, gb))
+    rate0 = float(np.dot(wt, x))
+
+    def loss(t: Topology) -> float:
+        if base <= 0:
+            return 0.0
+        return float(np.dot(wt, np.maximum(gb - sc.goodput_rps(t, x), 0.0))) / base
+
+    cands = []
+    for t in table.profile.topologies:
+        g = float(np.dot(wt, sc.goodput_rps(t, x))) * W
+        c = sc.switch_cost(current, t, rate0)
+        cands.append(ScaleCandidate(t, g, c, g - c, loss(t), table.slo_cap.get(t, 0.0),
+                                    t.world_size))
+    cap = table.slo_cap.get(target, 0.0)
+    H = min(cfg.windows(cfg.horizon_s, W), len(band.mean))
+    mean = np.nan_to_num(np.asarray(band.mean[:H], dtype=float))
+    covered = mean <= cap
+    run = max(int(np.argmin(covered)) if H and not covered.all() else H, 1)
+    gpus = target.world_size
+    first = band.scenarios[:, 0] if band.scenarios.size else np.asarray(band.upper[:1])
+    risk = float(np.mean(np.nan_to_num(first) > cap)) if first.size else 0.0
+    tpot = 0.0
+    if objective == "latency" and target in sc.curves and current in sc.curves:
+        tpot = (table.tpot_s(current, rate0) - table.tpot_s(target, rate0)) * 1e3
+    imp = Impact(objective, table.profile.name, host_gpus, gpus,
+                 tuple(range(gpus, host_gpus)), (host_gpus - gpus) * run * W / 3600.0, run * W,
+                 loss(target) if target in sc.curves else math.nan, risk, budget, tpot)
+    return imp, tuple(cands)
+
+
 # ------------------------------------------------------------------------------ decisions
 
 @dataclass
@@ -160,16 +380,33 @@ class DecisionRecord:
     seq: int
     node: str
     mode: str
-    decision: Decision
+    decision: Decision | ObjectiveDecision
     switch_id: str = ""
     outcome: str = ""
+    impact: Impact | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = self.decision
-        return {
+        doc: dict[str, Any] = {
             "id": self.id, "seq": self.seq, "node": self.node, "mode": self.mode,
             "switch_id": self.switch_id, "outcome": self.outcome,
-            "decision": {
+        }
+        if isinstance(d, ObjectiveDecision):
+            sd = d.scale
+            doc["decision"] = {
+                "kind": "scale", "t_s": sd.t_s, "objective": sd.objective,
+                "current": str(sd.current), "recommended": str(sd.recommended),
+                "switch": sd.switch, "reason": sd.reason, "text": sd.text,
+                "need_rps": sd.need_rps, "capacity_rps": sd.capacity_rps,
+                "expected_saving": sd.expected_saving, "saving_unit": sd.saving_unit,
+                "risk": sd.risk, "profile": sd.profile,
+                "switches_last_day": sd.switches_last_day, "forecaster": d.forecaster,
+                "forecast_rps": _num(d.forecast_rps),
+                "scores": [[str(c.topology), c.expected_goodput, c.switch_cost, c.score,
+                            _num(c.expected_slo_loss), _num(c.slo_capacity_rps), c.gpus]
+                           for c in d.scores]}
+        else:
+            doc["decision"] = {
                 "t_s": d.t_s, "current": str(d.current), "recommended": str(d.recommended),
                 "switch": d.switch, "reason": d.reason, "text": d.text,
                 "scores": [[str(c.topology), c.expected_goodput, c.switch_cost, c.score]
@@ -177,28 +414,58 @@ class DecisionRecord:
                 "gain": d.gain, "threshold": d.threshold, "dwell_left_s": d.dwell_left_s,
                 "switches_last_day": d.switches_last_day, "forecaster": d.forecaster,
                 "forecast_rps": d.forecast_rps,
-            },
-        }
+            }
+        if self.impact is not None:
+            doc["impact"] = self.impact.to_json()
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "DecisionRecord":
         d = doc["decision"]
-        dec = Decision(
-            t_s=float(d["t_s"]), current=Topology.parse(d["current"]),
-            recommended=Topology.parse(d["recommended"]), switch=bool(d["switch"]),
-            reason=d["reason"], text=d["text"],
-            scores=tuple(CandidateScore(Topology.parse(t), g, c, s) for t, g, c, s in d["scores"]),
-            gain=float(d["gain"]), threshold=float(d["threshold"]),
-            dwell_left_s=float(d["dwell_left_s"]), switches_last_day=int(d["switches_last_day"]),
-            forecaster=d["forecaster"], forecast_rps=float(d["forecast_rps"]))
+        dec: Decision | ObjectiveDecision
+        if d.get("kind") == "scale":
+            sd = ScaleDecision(
+                t_s=float(d["t_s"]), objective=d["objective"], current=Topology.parse(d["current"]),
+                recommended=Topology.parse(d["recommended"]), switch=bool(d["switch"]),
+                reason=d["reason"], text=d["text"], need_rps=float(d["need_rps"]),
+                capacity_rps=float(d["capacity_rps"]), expected_saving=float(d["expected_saving"]),
+                saving_unit=d["saving_unit"], risk=float(d["risk"]), profile=d["profile"],
+                switches_last_day=int(d["switches_last_day"]))
+            dec = ObjectiveDecision(sd, d["forecaster"], _unnum(d["forecast_rps"]), tuple(
+                ScaleCandidate(Topology.parse(t), g, c, s, _unnum(lo), _unnum(cap), int(n))
+                for t, g, c, s, lo, cap, n in d["scores"]))
+        else:
+            dec = Decision(
+                t_s=float(d["t_s"]), current=Topology.parse(d["current"]),
+                recommended=Topology.parse(d["recommended"]), switch=bool(d["switch"]),
+                reason=d["reason"], text=d["text"],
+                scores=tuple(CandidateScore(Topology.parse(t), g, c, s)
+                             for t, g, c, s in d["scores"]),
+                gain=float(d["gain"]), threshold=float(d["threshold"]),
+                dwell_left_s=float(d["dwell_left_s"]),
+                switches_last_day=int(d["switches_last_day"]),
+                forecaster=d["forecaster"], forecast_rps=float(d["forecast_rps"]))
+        imp = Impact.from_json(doc["impact"]) if doc.get("impact") else None
         return cls(doc["id"], int(doc["seq"]), doc["node"], doc["mode"], dec,
-                   doc.get("switch_id", ""), doc.get("outcome", ""))
+                   doc.get("switch_id", ""), doc.get("outcome", ""), imp)
 
     def reason_line(self) -> str:
         """Numbers and the short text, as the controller shows a recommendation."""
         d = self.decision
+        imp = f"; {self.impact.line()}" if self.impact is not None else ""
+        if isinstance(d, ObjectiveDecision):
+            return (f"{d.text} ({d.reason}; forecast {d.forecast_rps:.3g} req/s by "
+                    f"{d.forecaster}{imp}; policy decision {self.id})")
         return (f"{d.text} (gain {d.gain:.3g} req vs threshold {d.threshold:.3g}; forecast "
-                f"{d.forecast_rps:.3g} req/s by {d.forecaster}; policy decision {self.id})")
+                f"{d.forecast_rps:.3g} req/s by {d.forecaster}{imp}; policy decision {self.id})")
+
+
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _unnum(x: float | None) -> float:
+    return math.nan if x is None else float(x)
 
 
 @dataclass(frozen=True)
@@ -239,6 +506,8 @@ class _Node:
     recommended: Topology | None = None  # last recommendation recorded at the controller
     pending: _Pending | None = None
     problem: str = ""
+    history: deque = field(default_factory=deque)  # Window, oldest first (the last day)
+    scale_state: PolicyState | None = None  # gpu-hours / latency: current, switch times
 
 
 class PolicyService:
@@ -247,12 +516,23 @@ class PolicyService:
     def __init__(self, profile: Profile, controller: ControllerPort, *, slo: SLO | None = None,
                  config: PolicyConfig = PolicyConfig(), window_s: float = 60.0,
                  default_mode: str = "advisory", store: DecisionStorePort | None = None,
-                 retry_backoff_s: float = 30.0, max_decisions: int = 50_000, clock=time.time):
+                 retry_backoff_s: float = 30.0, max_decisions: int = 50_000, clock=time.time,
+                 objective: str = "gpu-hours", scale: ScaleConfig | None = None):
         if default_mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {default_mode!r}")
+        if objective not in OBJECTIVES:
+            raise InvalidArgument(f"objective must be one of {', '.join(OBJECTIVES)}, "
+                                  f"got {objective!r}")
         self.profile, self.controller, self.store = profile, controller, store
         self.slo = slo or profile.default_slo
         self.config, self.window_s, self.clock = config, window_s, clock
+        self.objective = objective
+        base = scale or ScaleConfig(horizon_s=config.horizon_s)
+        # the scale config of the impact (goodput) and the decision (gpu-hours, latency)
+        self.scale = base if objective == "goodput" else replace(base, objective=objective)
+        self.history_keep = int(math.ceil(DAY_S / window_s)) + 2
+        self._tables: dict[tuple[Topology, ...], CapacityTable | str] = {}
+        self._switch_times: dict[str, tuple[float, ...]] = {}  # from the log, for the budget
         self.retry_backoff_s, self.max_decisions = retry_backoff_s, max_decisions
         self.default_mode = default_mode
         self.modes: dict[str, str] = {}  # per-node overrides
@@ -281,6 +561,9 @@ class PolicyService:
             except (KeyError, ValueError, TypeError):
                 log.warning("policy.store_bad_decision", doc=str(doc)[:200])
         self.seq = max((d.seq for d in self.decisions), default=0)
+        for d in self.decisions:  # the switches auto mode made count against the daily budget
+            if d.mode == "auto" and d.switch_id and d.outcome.startswith("accepted"):
+                self._switch_times[d.node] = self._switch_times.get(d.node, ()) + (d.decision.t_s,)
         if modes.get("*") in MODES:
             self.default_mode = modes["*"]
         self.modes = {k: v for k, v in modes.items() if k != "*" and v in MODES}
@@ -356,7 +639,8 @@ class PolicyService:
         n = self.nodes.get(v.name)
         if n is None:
             H = self.config.horizon_windows(self.window_s)
-            n = _Node(v.name, v, WindowAggregator(self.window_s), Chooser(self.window_s, H))
+            n = _Node(v.name, v, WindowAggregator(self.window_s), Chooser(self.window_s, H),
+                      history=deque(maxlen=self.history_keep))
             self.nodes[v.name] = n
         n.view = v
         return n
@@ -370,6 +654,9 @@ class PolicyService:
         for t0, rate in n.agg.complete(now):
             n.chooser.update(t0, rate)
             n.last_window_s = t0
+            # the topology held then: the controller's observed one now (windows read back at
+            # a restart are counted on the topology the node has when they are read)
+            n.history.append(Window(t0, rate, n.view.observed))
 
     def _scorer(self, topos: tuple[Topology, ...]) -> Scorer:
         sc = self._scorers.get(topos)
@@ -379,9 +666,9 @@ class PolicyService:
             sc = self._scorers[topos] = Scorer(sub, self.slo)
         return sc
 
-    def _ensure_policy(self, n: _Node) -> AutoPolicy | None:
-        """The node's AutoPolicy over the candidates it can switch to that the profile knows
-        (same world size as now); None, with ``problem`` set, when there is nothing to decide."""
+    def _topologies(self, n: _Node) -> tuple[Topology, ...] | None:
+        """The node's candidates (and its current topology) that the profile knows, in the
+        profile's order; None, with ``problem`` set, when there is nothing to decide."""
         cur = n.view.observed
         if cur is None:
             n.problem = "the controller knows no observed topology for this node yet"
@@ -392,9 +679,37 @@ class PolicyService:
                          f"({', '.join(map(str, self.profile.topologies))})")
             return None
         cands = set(n.view.candidates) | {cur}
-        topos = tuple(t for t in self.profile.topologies
-                      if t in cands and t.world_size == cur.world_size)
         n.problem = ""
+        return tuple(t for t in self.profile.topologies if t in cands)
+
+    def _table(self, topos: tuple[Topology, ...]) -> CapacityTable | str:
+        """SLO capacities over these topologies (cached), or why there are none."""
+        tb = self._tables.get(topos)
+        if tb is None:
+            sub = replace(self.profile, curves=tuple(c for c in self.profile.curves
+                                                     if c.topology in topos))
+            try:
+                tb = CapacityTable(sub, self.slo, self.scale.attainment_bar)
+            except ValueError as exc:
+                tb = f"{exc} (candidates {', '.join(map(str, topos))})"
+            self._tables[topos] = tb
+        return tb
+
+    @staticmethod
+    def _host_gpus(n: _Node) -> int:
+        """The whole host: the engine starts the largest candidate world size."""
+        cur = n.view.observed
+        return max(t.world_size for t in (*n.view.candidates, *((cur,) if cur else ())))
+
+    def _ensure_policy(self, n: _Node) -> AutoPolicy | None:
+        """The node's AutoPolicy (objective goodput) over the candidates it can switch to that the
+        profile knows (same world size as now); None, with ``problem`` set, when there is nothing
+        to decide."""
+        topos = self._topologies(n)
+        if topos is None:
+            return None
+        cur = n.view.observed
+        topos = tuple(t for t in topos if t.world_size == cur.world_size)
         if n.policy is None or n.topo_key != topos:
             state = n.policy.state if n.policy is not None else PolicyState(cur)
             n.policy = AutoPolicy(self._scorer(topos), self.window_s, replace(state, current=cur),
@@ -405,14 +720,65 @@ class PolicyService:
             n.policy.state = replace(n.policy.state, current=cur)
         return n.policy
 
-    def _decide(self, n: _Node, now: float) -> DecisionRecord | None:
+    def _recent(self, n: _Node) -> np.ndarray:
+        cfg = self.scale
+        k = max(cfg.recent_windows, cfg.windows(cfg.recent_s, self.window_s))
+        return np.array([w.rate for w in list(n.history)[-k:]], dtype=float)
+
+    def _decide_goodput(self, n: _Node, now: float) -> tuple[Decision, Impact | None] | None:
         pol = self._ensure_policy(n)
         if pol is None:
             return None
         d = pol.tick(now, commit=False)
+        topos = self._topologies(n)
+        table = self._table(topos) if topos else "no topologies"
+        if isinstance(table, str):
+            return d, None
+        band = Band.from_forecast(n.chooser.forecast(), self.scale.band_quantile)
+        imp, _ = impact_of(table, "goodput", d.current, d.recommended, self._host_gpus(n), band,
+                           self._recent(n), self.scale, math.nan)
+        return d, imp
+
+    def _decide_scale(self, n: _Node, now: float) -> tuple[ObjectiveDecision, Impact] | None:
+        topos = self._topologies(n)
+        if topos is None:
+            return None
+        table = self._table(topos)
+        if isinstance(table, str):
+            n.problem = f"profile {self.profile.name!r}: {table}"
+            return None
+        cur = n.view.observed
+        st = n.scale_state
+        if st is None:  # the dwell counts from the first sight, as in a replay
+            times = self._switch_times.get(n.name, ())
+            st = PolicyState(cur, max((now, *times)), times)
+        elif st.current != cur:  # a switch finished or rolled back: the controller is the truth
+            st = replace(st, current=cur)
+        n.scale_state = st
+        cfg = self.scale
+        fc = n.chooser.forecast()
+        band = Band.from_forecast(fc, cfg.band_quantile)
+        inp = scale_inputs(n.history, self.window_s, cfg, table, now)
+        sd = decide_scale(st, now, inp.last_rate, band, table, cfg, inp.recent_peak,
+                          inp.recent if cfg.sizing == "risk" else None, inp.error_budget,
+                          inp.seasonal)
+        if sd.recommended not in topos:  # never recommend what the node cannot take
+            sd = replace(sd, recommended=cur, switch=False, reason="stay",
+                         text=f"{sd.recommended} is not a candidate of this node; staying")
+        imp, cands = impact_of(table, cfg.objective, cur, sd.recommended, self._host_gpus(n),
+                               band, inp.recent, cfg, inp.error_budget)
+        mean0 = float(band.mean[0]) if len(band.mean) else math.nan
+        return ObjectiveDecision(sd, fc.forecaster, mean0, cands), imp
+
+    def _decide(self, n: _Node, now: float) -> DecisionRecord | None:
+        got = (self._decide_goodput(n, now) if self.objective == "goodput"
+               else self._decide_scale(n, now))
+        if got is None:
+            return None
+        d, imp = got
         self.seq += 1  # every decision gets its own id; only some are logged (gaps are fine)
         return DecisionRecord(f"pd-{self.instance}-{self.seq}", self.seq, n.name,
-                              self.mode_of(n.name), d)
+                              self.mode_of(n.name), d, impact=imp)
 
     async def _tick_node(self, n: _Node, now: float) -> DecisionRecord | None:
         if n.view.health in ("switching", "lost"):
@@ -455,7 +821,7 @@ class PolicyService:
         n.recommended = target
         rec.outcome = f"recommended {target}"
         log.info("policy.recommended", node=n.name, decision_id=rec.id, current=str(d.current),
-                 recommended=str(target), reason=d.reason)
+                 recommended=str(target), reason=d.reason, **_impact_fields(rec))
         return True
 
     async def _act(self, n: _Node, rec: DecisionRecord, now: float) -> bool:
@@ -489,13 +855,21 @@ class PolicyService:
         rec.outcome = ("noop: already on the target" if r.noop else
                        f"duplicate: request {rid} was accepted earlier" if r.duplicate else
                        "accepted")
-        if not r.noop and n.policy is not None:
-            n.policy.state = n.policy.state.after(d)  # dwell and budget start now
+        if not r.noop:  # dwell and budget start now
+            if isinstance(d, ObjectiveDecision) and n.scale_state is not None:
+                n.scale_state = scale_after(n.scale_state, d.scale)
+            elif isinstance(d, Decision) and n.policy is not None:
+                n.policy.state = n.policy.state.after(d)
         log.info("policy.reconfigured", node=n.name, decision_id=rec.id, switch_id=r.switch_id,
-                 request_id=rid, target=str(d.recommended), outcome=rec.outcome)
+                 request_id=rid, target=str(d.recommended), outcome=rec.outcome,
+                 **_impact_fields(rec))
         return True
 
     async def _log(self, rec: DecisionRecord) -> None:
+        d = rec.decision
+        log.info("policy.decision", node=rec.node, decision_id=rec.id, mode=rec.mode,
+                 current=str(d.current), recommended=str(d.recommended), switch=d.switch,
+                 reason=d.reason, text=d.text, outcome=rec.outcome, **_impact_fields(rec))
         self.decisions.append(rec)
         if self.store is not None:
             try:
@@ -568,3 +942,19 @@ class PolicyService:
         nxt = str(items[size - 1].seq) if len(items) > size else ""
         return items[:size], nxt
 
+
+
+def _impact_fields(rec: DecisionRecord) -> dict[str, Any]:
+    """A decision's impact as log fields (empty when it has none)."""
+    i = rec.impact
+    if i is None:
+        return {}
+    return {"objective": i.objective, "profile": i.profile, "gpus": i.gpus,
+            "host_gpus": i.host_gpus, "released_gpus": list(i.released_gpus),
+            "expected_saving_gpu_hours": round(i.expected_saving_gpu_hours, 4),
+            "saving_horizon_s": i.saving_horizon_s,
+            "expected_slo_loss": round(i.expected_slo_loss, 6) if math.isfinite(
+                i.expected_slo_loss) else None,
+            "overload_risk": round(i.overload_risk, 4),
+            "error_budget_requests": round(i.error_budget, 1) if math.isfinite(
+                i.error_budget) else None}

@@ -7,6 +7,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from policy.controller_client import sample_to_proto, topo_to_proto
 from policy.service import DecisionRecord, ForecastView, PolicyService
+from remp import validate
 from remp.grpc_util import rpc_errors
 from remp.policy.v1 import policy_pb2, policy_pb2_grpc
 
@@ -21,16 +22,33 @@ def _ts(t_s: float) -> Timestamp:
     return ts
 
 
+def _score_to_proto(c) -> policy_pb2.CandidateScore:  # noqa: ANN001 - either score type
+    return policy_pb2.CandidateScore(
+        topology=topo_to_proto(c.topology), expected_goodput=c.expected_goodput,
+        switch_cost=c.switch_cost, score=c.score,
+        expected_slo_loss=getattr(c, "expected_slo_loss", 0.0),
+        slo_capacity_rps=getattr(c, "slo_capacity_rps", 0.0),
+        gpus=getattr(c, "gpus", 0) or c.topology.world_size)
+
+
 def recommendation_to_proto(rec: DecisionRecord) -> policy_pb2.Recommendation:
     d = rec.decision
-    return policy_pb2.Recommendation(
+    r = policy_pb2.Recommendation(
         node=rec.node, current=topo_to_proto(d.current), recommended=topo_to_proto(d.recommended),
         switch=d.switch, reason=f"[{d.reason}] {rec.reason_line()}",
-        scores=[policy_pb2.CandidateScore(topology=topo_to_proto(c.topology),
-                                          expected_goodput=c.expected_goodput,
-                                          switch_cost=c.switch_cost, score=c.score)
-                for c in d.scores],
-        at=_ts(d.t_s))
+        scores=[_score_to_proto(c) for c in d.scores], at=_ts(d.t_s),
+        forecaster=d.forecaster, forecast_rps=d.forecast_rps, decision_id=rec.id)
+    i = rec.impact
+    if i is not None:
+        r.objective, r.profile = i.objective, i.profile
+        r.expected_saving_gpu_hours = i.expected_saving_gpu_hours
+        r.saving_horizon_seconds = i.saving_horizon_s
+        r.expected_slo_loss, r.overload_risk = i.expected_slo_loss, i.overload_risk
+        r.gpus, r.host_gpus = i.gpus, i.host_gpus
+        r.released_gpus.extend(i.released_gpus)
+        r.error_budget_requests = i.error_budget
+        r.expected_tpot_saving_ms = i.expected_tpot_saving_ms
+    return r
 
 
 def decision_to_proto(rec: DecisionRecord) -> policy_pb2.Decision:
@@ -53,21 +71,26 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
 
     @rpc_errors
     async def GetForecast(self, request, context):
+        validate.name("node", request.node, required=True)
         return forecast_to_proto(await self.core.get_forecast(request.node,
                                                               request.horizon_seconds))
 
     @rpc_errors
     async def GetRecommendation(self, request, context):
+        validate.name("node", request.node, required=True)
         return recommendation_to_proto(await self.core.get_recommendation(request.node))
 
     @rpc_errors
     async def SetMode(self, request, context):
+        validate.name("node", request.node)
         mode = await self.core.set_mode(MODE_FROM_PROTO.get(request.mode, str(request.mode)),
                                         request.node)
         return policy_pb2.SetModeResponse(mode=MODE_TO_PROTO[mode])
 
     @rpc_errors
     async def ListDecisions(self, request, context):
+        validate.name("node", request.node)
+        validate.name("page_token", request.page_token, max_len=32)
         recs, nxt = await self.core.list_decisions(request.node, request.page_size,
                                                    request.page_token)
         return policy_pb2.ListDecisionsResponse(decisions=[decision_to_proto(r) for r in recs],

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from remp.redisproc import redact_url
 from remp.errors import Unavailable
 
 
@@ -33,7 +34,7 @@ class RedisDecisionStore:
         try:
             return await aw
         except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
-            raise Unavailable(f"redis at {self.url} unreachable: {exc}") from None
+            raise Unavailable(f"redis at {redact_url(self.url)} unreachable: {exc}") from None
 
     async def load(self, limit: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
         rows = await self._call(self.r.lrange(self.k_decisions, -limit, -1))

@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from remp.errors import RempError, grpc_status_for
+from remp.auth import AuthInterceptor, Credentials, server_tls_files_from_env
+from remp.errors import RempError, status_for
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_DEADLINE_S = 10.0
@@ -57,14 +58,17 @@ class ServerTls:
 
 def make_server(
     full_service_names: Iterable[str], host: str, port: int, interceptors: Iterable = (),
-    tls: ServerTls | None = None,
+    tls: ServerTls | None = None, *, auth: Credentials,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A grpc.aio server with reflection and grpc.health.v1 already added.
+    """A grpc.aio server with reflection and grpc.health.v1 already added, every call checked
+    against :data:`remp.auth.RPC_ACCESS` with ``auth`` (innermost interceptor, so metrics see
+    the refusals).
 
     Health starts NOT_SERVING for every named service (readiness) and SERVING for "" (liveness).
     Returns (server, health servicer, bound port); add service servicers before ``start()``.
     """
-    server = grpc.aio.server(options=server_options(), interceptors=list(interceptors) or None)
+    server = grpc.aio.server(options=server_options(),
+                             interceptors=[*interceptors, AuthInterceptor(auth)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(full_service_names)
@@ -72,6 +76,9 @@ def make_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
+    if tls is None:  # $REMP_TLS_CERT/KEY (+ $REMP_TLS_CA: clients need certificates)
+        env_files = server_tls_files_from_env()
+        tls = ServerTls(*env_files) if env_files else None
     if tls is not None:
         bound = server.add_secure_port(f"{host}:{port}", tls.credentials())
     else:
@@ -105,7 +112,7 @@ def rpc_errors(fn: Callable) -> Callable:
         except grpc.aio.AbortError:
             raise
         except RempError as exc:
-            await context.abort(grpc_status_for(exc), str(exc))
+            await context.abort(status_for(exc), str(exc))
 
     return unary
 
@@ -121,6 +128,6 @@ def rpc_errors_stream(fn: Callable) -> Callable:
         except grpc.aio.AbortError:
             raise
         except RempError as exc:
-            await context.abort(grpc_status_for(exc), str(exc))
+            await context.abort(status_for(exc), str(exc))
 
     return stream

@@ -82,16 +82,38 @@ def migration_plan(old: Topology, new: Topology, num_layers: int, num_kv_heads: 
     check_shape(new, num_layers, num_kv_heads)
     a = RankView(old, num_layers, num_kv_heads)
     b = RankView(new, num_layers, num_kv_heads)
-    cuts = sorted(
-        set(range(0, num_kv_heads, a.heads_per_rank))
-        | set(range(0, num_kv_heads, b.heads_per_rank))
-        | {num_kv_heads}
-    )
+    cuts = _cuts(num_kv_heads, a.heads_per_rank, b.heads_per_rank)
     out: list[Slice] = []
     for layer in range(num_layers):
         for lo, hi in zip(cuts, cuts[1:]):
             out.append(Slice(layer, lo, hi, a.owner(layer, lo), b.owner(layer, lo)))
     return out
+
+
+def remote_moves(old: Topology, new: Topology, num_layers: int,
+                 num_kv_heads: int) -> dict[tuple[int, int, int, int], list[int]]:
+    """The plan's worker-to-worker slices grouped by (src, dst, head start, head end) → their
+    layers (ascending): equal to grouping :func:`migration_plan`'s non-local slices, but the owners
+    are looked up once per run of layers that share both pipeline stages, not per layer (the
+    controller plans fleets of nodes with it)."""
+    check_shape(old, num_layers, num_kv_heads)
+    check_shape(new, num_layers, num_kv_heads)
+    a = RankView(old, num_layers, num_kv_heads)
+    b = RankView(new, num_layers, num_kv_heads)
+    cuts = _cuts(num_kv_heads, a.heads_per_rank, b.heads_per_rank)
+    bounds = _cuts(num_layers, a.layers_per_stage, b.layers_per_stage)
+    grouped: dict[tuple[int, int, int, int], list[int]] = {}
+    for l0, l1 in zip(bounds, bounds[1:]):
+        for lo, hi in zip(cuts, cuts[1:]):
+            src, dst = a.owner(l0, lo), b.owner(l0, lo)
+            if src != dst:
+                grouped.setdefault((src, dst, lo, hi), []).extend(range(l0, l1))
+    return grouped
+
+
+def _cuts(n: int, step_a: int, step_b: int) -> list[int]:
+    """0 .. n cut where either topology's split (every ``step_a`` or ``step_b``) starts a part."""
+    return sorted({*range(0, n, step_a), *range(0, n, step_b), n})
 
 
 def layer_order(old: Topology, new: Topology, num_layers: int) -> list[int]:

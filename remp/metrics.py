@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 
 from remp import logs
 from remp.errors import Unavailable
+from remp.transaction import Outcome
 
 log = logs.get_logger("remp.metrics")
 
@@ -38,7 +39,7 @@ SWITCH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 class SwitchFacts:
     """What the switch metrics need, from either record type (agent dataclass or proto)."""
 
-    outcome: str
+    outcome: Outcome
     phase_seconds: Mapping[str, float]
     total_s: float
     downtime_s: float
@@ -47,19 +48,6 @@ class SwitchFacts:
     held: int
     preempted: int
     in_flight: int
-
-
-def facts_from_proto(rec, outcome: str) -> SwitchFacts:
-    """``remp.common.v1.SwitchRecord`` → facts (phase names without the ``PHASE_`` prefix)."""
-    from remp.common.v1 import types_pb2
-
-    phases: dict[str, float] = {}
-    for pt in rec.phase_timings:
-        name = types_pb2.Phase.Name(pt.phase).removeprefix("PHASE_")
-        phases[name] = phases.get(name, 0.0) + pt.seconds
-    return SwitchFacts(outcome, phases, rec.total_seconds, rec.downtime_seconds,
-                       rec.kv_bytes_moved, rec.weight_bytes_loaded, rec.requests_held,
-                       rec.requests_preempted, rec.requests_in_flight)
 
 
 def facts_from_agent(rec) -> SwitchFacts:
@@ -103,7 +91,7 @@ class SwitchMetrics:
                 self.phase_seconds.labels(phase).observe(s)
         if f.total_s > 0:
             self.total_seconds.labels(f.outcome).observe(f.total_s)
-        if f.outcome == "succeeded" and f.downtime_s > 0:
+        if f.outcome == Outcome.SUCCEEDED and f.downtime_s > 0:
             self.downtime.observe(f.downtime_s)
         self.kv_bytes.inc(max(0, f.kv_bytes))
         self.weight_bytes.inc(max(0, f.weight_bytes))
@@ -125,10 +113,17 @@ class ControllerMetrics(SwitchMetrics):
         self.rpc_errors = Counter("remp_controller_rpc_errors", "gRPC calls that ended with a "
                                   "status other than OK, by method and code", ["method", "code"],
                                   registry=registry)
-
-    def switch_finished(self, rec, outcome: str) -> None:
-        """Hook: the controller recorded a finished switch (``Controller._finish``)."""
-        self.observe(facts_from_proto(rec, outcome))
+        self.redis_up = Gauge("remp_controller_redis_up", "1 while Redis answers the "
+                              "controller's periodic ping (health SERVING), else 0",
+                              registry=registry)
+        self.watch_streams = Gauge("remp_controller_watch_streams", "Watch streams open now",
+                                   registry=registry)
+        self.watch_refused = Counter("remp_controller_watch_refused", "Watch streams refused "
+                                     "by the per-caller or total cap (RESOURCE_EXHAUSTED)",
+                                     registry=registry)
+        self.watch_dropped = Counter("remp_controller_watch_dropped", "Watch streams closed "
+                                     "because their reader fell too far behind",
+                                     registry=registry)
 
 
 class AgentMetrics(SwitchMetrics):

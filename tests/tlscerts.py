@@ -40,11 +40,14 @@ class TestCA:
                      .sign(self.key, hashes.SHA256()))
         self.cert_path, _ = _write(directory / name, self.key, self.cert)
 
-    def issue(self, name: str, server: bool) -> tuple[Path, Path]:
-        """(certificate, key) for 127.0.0.1 and localhost, for a server or a client."""
+    def issue(self, name: str, server: bool, client: bool | None = None) -> tuple[Path, Path]:
+        """(certificate, key) for 127.0.0.1 and localhost, for a server or a client (or both:
+        ``server=True, client=True`` — a service that also calls others)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.timezone.utc)
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        client = (not server) if client is None else client
+        usage = [u for u, on in ((ExtendedKeyUsageOID.SERVER_AUTH, server),
+                                 (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if on]
         cert = (x509.CertificateBuilder().subject_name(_name(name))
                 .issuer_name(self.cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
@@ -53,6 +56,6 @@ class TestCA:
                 .add_extension(x509.SubjectAlternativeName([
                     x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                     critical=False)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
                 .sign(self.key, hashes.SHA256()))
         return _write(self.dir / name, key, cert)

@@ -5,7 +5,8 @@ const PHASES = ["QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED", "MIGRATE_KV", "
                 "REBINDING", "SERVING_NEW"];
 const FINISH = { switch_done: "succeeded", switch_failed: "failed",
                  switch_rolled_back: "rolled_back", switch_aborted: "aborted" };
-const state = { cfg: { can_write: false, policy: "" }, nodes: [], live: null, liveLog: [] };
+const state = { cfg: { can_write: false, writes_enabled: false, policy: "" }, nodes: [], live: null,
+                liveLog: [] };
 
 const $ = (s, el = document) => el.querySelector(s);
 function h(tag, attrs = {}, ...kids) {
@@ -31,10 +32,61 @@ const time_ = (t) => t ? new Date(t * 1000).toLocaleTimeString() : "";
 const badge = (text, cls) => h("span", { class: `badge ${cls || text}` }, text);
 
 async function api(path, opts) {
-  const r = await fetch(path, opts);
+  const r = await fetch(path, { credentials: "same-origin", ...opts });
   const body = await r.json().catch(() => ({}));
-  if (!r.ok) throw new Error(body.error || `${r.status}`);
+  if (r.status === 401 && state.cfg.can_write && path !== "/api/login") {
+    state.cfg.can_write = false;  // the session ended (expired, logged out elsewhere, restart)
+    accessChanged();
+  }
+  if (!r.ok) { const e = new Error(body.error || `${r.status}`); e.status = r.status; throw e; }
   return body;
+}
+// writes: JSON + the dashboard's header (no cross-site form or script can send both)
+const post = (path, body) => api(path, { method: "POST", body: JSON.stringify(body),
+  headers: { "content-type": "application/json", "x-remp-dashboard": "1" } });
+
+// ------------------------------------------------------------------ login (operator session)
+async function loadConfig() {
+  try { state.cfg = await api("/api/config", { cache: "no-store" }); } catch (e) { /* keep */ }
+}
+
+function renderAccess() {
+  const c = state.cfg, acc = $("#access");
+  acc.textContent = c.can_write ? "operator: approve enabled"
+    : c.writes_enabled ? "read-only (log in to approve)" : "read-only";
+  acc.className = `badge ${c.can_write ? "ok" : ""}`;
+  $("#login").hidden = !c.writes_enabled || c.can_write;
+  $("#logout").hidden = !c.can_write;
+}
+
+function accessChanged() { renderAccess(); renderNodes(); refreshPolicy(); }
+
+function loginError(text) {
+  const el = $("#login-error");
+  el.textContent = text || "";
+  el.hidden = !text;
+}
+
+async function login(ev) {
+  ev.preventDefault();
+  const inp = $("#login-token");
+  const token = inp.value;
+  inp.value = "";
+  loginError("");
+  try {
+    await post("/api/login", { token });
+    await loadConfig();
+    if (!state.cfg.can_write) loginError("Logged in, but this browser did not keep the session " +
+      "cookie: the dashboard marks it Secure, so open the dashboard over HTTPS.");
+  } catch (e) { loginError(`Log in: ${e.message}`); }
+  accessChanged();
+}
+
+async function logout() {
+  try { await post("/api/logout", {}); } catch (e) { /* the session is gone either way */ }
+  await loadConfig();
+  state.cfg.can_write = false;
+  accessChanged();
 }
 
 // ------------------------------------------------------------------ nodes
@@ -80,13 +132,18 @@ function renderNodes() {
   $("#nodes-empty").hidden = state.nodes.length > 0;
 }
 
+// the dashboard accepts one line of printable text, at most 500 characters
+const oneLine = (t) => Array.from(String(t || "").replace(/(?! )[\p{C}\p{Z}]/gu, " ")).slice(0, 500).join("");
+
 async function reconfigure(node, target, reason, requestId) {
+  reason = oneLine(reason);
   try {
-    const r = await api("/api/reconfigure", {
-      method: "POST", headers: { "content-type": "application/json", "x-remp-dashboard": "1" },
-      body: JSON.stringify({ node, target, reason, request_id: requestId }) });
+    const r = await post("/api/reconfigure", { node, target, reason, request_id: requestId });
     if (r.noop) alert(`${node} already runs ${target}`);
-  } catch (e) { alert(`Reconfigure ${node} → ${target}: ${e.message}`); }
+  } catch (e) {
+    if (e.status === 401) loginError("Your session ended: log in again to approve or start switches.");
+    else alert(`Reconfigure ${node} → ${target}: ${e.message}`);
+  }
 }
 
 // ------------------------------------------------------------------ live switch
@@ -194,9 +251,9 @@ function renderPolicyNodes(nodes) {
     box.append(h("div", { dataset: { policyNode: n.node } },
       h("h3", {}, `${n.node} `, h("span", { class: "muted fc-meta" })),
       h("div", { class: "legend" },
-        h("span", {}, h("i", { style: "background:#2b6cb0" }), "observed req/s"),
-        h("span", {}, h("i", { style: "background:#805ad5" }), "forecast made then (1 window ahead)"),
-        h("span", {}, h("i", { style: "background:#dd6b20" }), "forecast ahead (band: scenarios)")),
+        h("span", {}, h("i", { class: "obs" }), "observed req/s"),
+        h("span", {}, h("i", { class: "past" }), "forecast made then (1 window ahead)"),
+        h("span", {}, h("i", { class: "fc" }), "forecast ahead (band: scenarios)")),
       h("div", { class: "chart-box" }),
       h("table", { class: "decisions" }, h("thead", {}, h("tr", {},
         ...["time", "mode", "current → recommended", "switch?", "reason", "outcome", ""].map((t) => h("th", {}, t)))),
@@ -258,18 +315,53 @@ function chart(f) {
   return svg;
 }
 
+// ------------------------------------------------------------------ GPU-hours saved
+const num = (v, d = 2) => (v === null || v === undefined) ? "—" : v.toFixed(d);
+function recText(node, r, err) {
+  if (!r) return `${node}: no recommendation${err ? ` (${err})` : ""}`;
+  const saving = r.objective === "latency"
+    ? `expected TPOT saving ${num(r.expected_tpot_saving_ms, 1)} ms`
+    : `expected saving ${num(r.expected_saving_gpu_hours, 3)} GPU-h vs the whole host over ` +
+      `${num((r.saving_horizon_s || 0) / 60, 0)} min`;
+  return `${node}: ${r.current} → ${r.recommended}${r.switch ? "" : " (stay)"} · ` +
+    `${r.gpus}/${r.host_gpus} GPUs` + (r.released_gpus.length ? `, releases ${r.released_gpus.join(", ")}` : "") +
+    ` · ${saving} · expected SLO loss ${num((r.expected_slo_loss || 0) * 100, 2)} % · ` +
+    `objective ${r.objective || "—"}, profile ${r.profile || "—"}` + (r.decision_id ? ` · ${r.decision_id}` : "");
+}
+
+async function refreshSaving() {
+  const rows = [], recs = [];
+  for (const n of state.nodes) {
+    let s;
+    try { s = await api(`/api/saving?node=${encodeURIComponent(n.node)}`); }
+    catch (e) { recs.push(h("li", { class: "error" }, `${n.node}: ${e.message}`)); continue; }
+    for (const d of s.days) {
+      rows.push(h("tr", { dataset: { savingNode: s.node, day: d.day } }, h("td", {}, s.node), h("td", {}, d.day),
+        h("td", {}, num(d.observed_hours, 2)), h("td", {}, num(d.gpu_hours, 2)),
+        h("td", {}, `${num(d.host_gpu_hours, 2)} (${s.host_gpus} GPUs)`),
+        h("td", {}, d.fraction === null ? "—" : `${(d.fraction * 100).toFixed(1)} %`),
+        h("td", {}, `${num(d.saved_gpu_hours, 2)} GPU-h`)));
+    }
+    recs.push(h("li", { dataset: { savingRec: s.node } }, recText(s.node, s.recommendation, s.recommendation_error)));
+  }
+  $("#saving-table tbody").replaceChildren(...rows);
+  $("#saving-empty").hidden = rows.length > 0;
+  $("#saving-recs").replaceChildren(...recs);
+}
+
 // ------------------------------------------------------------------ start
 async function main() {
-  try { state.cfg = await api("/api/config"); } catch (e) { /* keep defaults */ }
+  await loadConfig();
   $("#ctl-addr").textContent = state.cfg.controller || "?";
   $("#pol-addr").textContent = state.cfg.policy || "none";
-  const acc = $("#access");
-  acc.textContent = state.cfg.can_write ? "approve enabled" : "read-only";
-  acc.className = `badge ${state.cfg.can_write ? "ok" : ""}`;
+  $("#login").addEventListener("submit", login);
+  $("#logout").addEventListener("click", logout);
+  renderAccess();
   $("#policy-none").hidden = !!state.cfg.policy;
   connectEvents();
-  await refreshNodes(); await refreshHistory(); await refreshPolicy();
+  await refreshNodes(); await refreshHistory(); await refreshPolicy(); await refreshSaving();
   setInterval(refreshNodes, 2000);
+  setInterval(refreshSaving, 15000);
   setInterval(refreshHistory, 5000);
   setInterval(refreshPolicy, 5000);
 }

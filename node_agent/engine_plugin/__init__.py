@@ -6,10 +6,15 @@ Three faces, one file:
   ``AsyncLLM`` (engine core and workers run as vLLM runs them), serves vLLM's own OpenAI-compatible
   app, and talks to the engine core and workers through utility calls and ``collective_rpc``;
 * engine core process (``core_side``): ``register`` is the ``vllm.general_plugins`` entry point;
-  it adds ``remp_*`` methods to ``EngineCore`` (callable with ``call_utility``) and the
+  it adds the :class:`Utility` methods to ``EngineCore`` (callable with ``call_utility``) and the
   ``remp_shm`` model loader;
 * worker processes (``worker_side``): ``RempWorkerExtension`` is passed as
   ``worker_extension_cls``; its methods are mixed into every worker (``collective_rpc``).
+
+The switch steps are typed methods of :class:`EngineHandle` (``begin_switch``, ``activate``,
+``data_path``, ``rebind``, ``commit_switch``, ``rollback_switch``) returning frozen dataclasses and
+raising :class:`~node_agent.engine_plugin.steps.EngineStepFailed` with the phase that failed
+(:mod:`node_agent.engine_plugin.steps`).
 
 :func:`check_internals` verifies that every internal used here is where 0.32.0 keeps it; a test
 calls it so that a vLLM upgrade fails loudly instead of misbehaving.
@@ -24,7 +29,14 @@ import inspect
 import os
 import socket
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
+
+from node_agent.engine_plugin.imports import (IMPORT_DIR_ENV, IMPORT_FILE, IMPORT_KEY_ENV,  # noqa: F401
+                                              import_params, trusted_import)
+from node_agent.engine_plugin.steps import (BeginResult, DataPathResult, EngineStepFailed,  # noqa: F401
+                                            RebindResult, RollbackResult, unwrap)
+from remp.transaction import Phase
 
 PINNED_VLLM_VERSION = "0.32.0"
 WORKER_EXTENSION = "node_agent.engine_plugin.worker_side.RempWorkerExtension"
@@ -104,11 +116,34 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.v1.engine", "EngineCoreOutput", "relayed tokens"),
     ("vllm.v1.engine", "FinishReason", "relayed finish"),
     ("vllm.exceptions", "GracefulHTTPError", "503 to the client (AsyncLLM.generate re-raises it)"),
+    ("vllm.exceptions", "VLLMClientError", "an import vLLM refuses: INVALID_ARGUMENT"),
+    ("vllm.exceptions", "VLLMServerError", "an import the engine cannot run: UNAVAILABLE"),
+    ("vllm.v1.engine.exceptions", "EngineDeadError", "a dead engine: UNAVAILABLE, restart"),
     ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__",
      "--worker-spin-seconds: readers' busy-wait after each message (busy_loop_s)"),
     ("vllm.distributed.device_communicators.shm_broadcast", "SHM_READER_RECHECK_INTERVAL_MS",
      "--worker-spin-seconds: a sleeping reader's re-check (lost notifications)"),
 ]
+
+
+class Utility(StrEnum):
+    """The methods the plugin adds to vLLM's ``EngineCore`` (``core_side.UTILITIES`` implements
+    each; :meth:`EngineHandle.utility` calls them between engine steps)."""
+
+    SETUP = "remp_setup"  # once at start: prebuilt groups, per-layer KV, weight-store loader
+    ENGINE_INFO = "remp_engine_info"
+    MISSING_INTERNALS = "remp_missing_internals"
+    LIST_REQUESTS = "remp_list_requests"
+    EXPORT_REQUEST = "remp_export_request"  # request migration: state (and KV) of one request
+    SW_BEGIN = "remp_sw_begin"  # PREPARING_WORKERS
+    SW_ACTIVATE = "remp_sw_activate"  # MPU_APPLIED
+    SW_DATA_PATH = "remp_sw_data_path"  # MIGRATE_KV ‖ RELOAD_SHARDS
+    SW_REBIND = "remp_sw_rebind"  # REBINDING
+    SW_COMMIT = "remp_sw_commit"  # after SERVING_NEW: drop what only rollback needed
+    SW_ROLLBACK = "remp_sw_rollback"  # ROLLING_BACK
+    SW_FIRST_TOKEN = "remp_sw_first_token"  # wall time of the first token after a switch
+
+
 # Attributes read on live objects (not importable); checked by the e2e internals test.
 ENGINE_CORE_ATTRS = ("scheduler", "model_executor", "vllm_config", "batch_queue",
                      "batch_queue_size", "step_fn")
@@ -193,6 +228,7 @@ def cpu_backend_env(cpu_binds: list[str], kv_cache_gib: int, state_dir: str) -> 
 
 def common_env(state_dir: str) -> dict[str, str]:
     return {
+        IMPORT_DIR_ENV: os.path.join(state_dir, "imports"),
         "VLLM_CACHE_ROOT": os.path.join(state_dir, "vllm-cache"),
         "VLLM_RPC_BASE_PATH": os.path.join(state_dir, "rpc"),
         "XDG_CACHE_HOME": os.path.join(state_dir, "cache"),
@@ -336,11 +372,51 @@ class EngineHandle:
 
     async def setup_switching(self, candidates: list[tuple[int, int]], store_path: str) -> list:
         """Prebuild every candidate's groups, per-layer KV, weight-store loader (once)."""
-        return await self.utility("remp_setup", candidates, store_path)
+        return await self.utility(Utility.SETUP, candidates, store_path)
 
-    async def utility(self, name: str, *args):
-        """Call a ``remp_*`` method on the engine core (runs in its busy loop, between steps)."""
-        return await self.engine.engine_core.call_utility_async(name, *args)
+    async def utility(self, name: Utility, *args):
+        """Call a :class:`Utility` on the engine core (runs in its busy loop, between steps)."""
+        return await self.engine.engine_core.call_utility_async(str(name), *args)
+
+    # the switch steps (remp.transaction phases); each raises EngineStepFailed with its phase
+
+    async def begin_switch(self, switch_id: str, tp: int, pp: int, freeze_wall: float,
+                           fault: str) -> BeginResult:
+        """PREPARING_WORKERS (after :meth:`pause`): check quiescence, detach the old KV."""
+        d = unwrap(await self.utility(Utility.SW_BEGIN, switch_id, tp, pp, freeze_wall, fault),
+                   Phase.PREPARING_WORKERS)
+        return BeginResult(d["running"], d["waiting"], tuple(d["workers"]))
+
+    async def activate(self, tp: int, pp: int, fault: str) -> None:
+        """MPU_APPLIED: every worker swaps in the target's prebuilt groups."""
+        unwrap(await self.utility(Utility.SW_ACTIVATE, tp, pp, fault), Phase.MPU_APPLIED)
+
+    async def data_path(self, overlap: bool, fault: str) -> DataPathResult:
+        """MIGRATE_KV ‖ RELOAD_SHARDS (sequential unless ``overlap``). A failure is in the phase
+        the failing worker reported; one no worker reported counts as RELOAD_SHARDS."""
+        d = unwrap(await self.utility(Utility.SW_DATA_PATH, overlap, fault), Phase.RELOAD_SHARDS)
+        return DataPathResult(d["live_blocks"], d["num_blocks"], d["new_num_blocks"],
+                              d["displaced"], tuple(d["workers"]))
+
+    async def rebind(self, fault: str) -> RebindResult:
+        """REBINDING: workers take the migrated KV and the in-flight requests."""
+        d = unwrap(await self.utility(Utility.SW_REBIND, fault), Phase.REBINDING)
+        return RebindResult(d["preempted"], d["held"], d["first_held_arrival"], d["in_flight"],
+                            tuple(d["displaced"]), d["renumbered"], d["num_blocks"],
+                            tuple(d["workers"]))
+
+    async def commit_switch(self) -> None:
+        """After SERVING_NEW: drop what only a rollback needed."""
+        unwrap(await self.utility(Utility.SW_COMMIT), Phase.SERVING_NEW)
+
+    async def rollback_switch(self) -> RollbackResult:
+        """ROLLING_BACK: back to the old topology with the KV intact."""
+        d = unwrap(await self.utility(Utility.SW_ROLLBACK), Phase.ROLLING_BACK)
+        return RollbackResult(tuple(d["restored_layers"]), d["held"], tuple(d["workers"]))
+
+    async def first_token_wall(self) -> float | None:
+        """Wall time of the first step that produced tokens after the last switch (or None)."""
+        return await self.utility(Utility.SW_FIRST_TOKEN)
 
     async def pause(self) -> None:
         """Quiesce: drain the in-flight step and the PP batch queue; new requests are queued."""
@@ -357,7 +433,7 @@ class EngineHandle:
 
     async def verify_live_internals(self) -> None:
         """Fail loudly at start if the running engine lacks an attribute remp relies on."""
-        missing = set(await self.engine.engine_core.call_utility_async("remp_missing_internals"))
+        missing = set(await self.utility(Utility.MISSING_INTERNALS))
         for per_worker in await self.engine.collective_rpc("remp_missing_internals"):
             missing.update(per_worker)
         if missing:
@@ -408,10 +484,10 @@ class EngineHandle:
         return await self.engine.collective_rpc("remp_worker_info", timeout=10)
 
     async def engine_info(self) -> dict:
-        return await self.utility("remp_engine_info")
+        return await self.utility(Utility.ENGINE_INFO)
 
     async def list_requests(self) -> list[dict]:
-        return await self.utility("remp_list_requests")
+        return await self.utility(Utility.LIST_REQUESTS)
 
     async def take_out(self, request_id: str, workdir: str, choose) -> tuple[object, dict | None]:
         """Take one running request out of this engine. Generation pauses; ``choose(info)``
@@ -424,8 +500,12 @@ class EngineHandle:
         :meth:`fail_request` — the caller must call one of them.
         Returns ``(decision, state or None)``. The caller serialises engine-exclusive work."""
         import time
+        import uuid
 
-        prefix = os.path.join(workdir, f"export-{request_id}")
+        from node_agent.kv.codec import merge_rank_parts
+
+        # never the request id in a path: it is the client's (X-Request-Id) or the caller's
+        prefix = os.path.join(workdir, f"export-{uuid.uuid4().hex}")
         t0 = time.perf_counter()
         taken = False
         await self.pause()
@@ -436,7 +516,7 @@ class EngineHandle:
             decision, with_kv = choose(infos[request_id])
             state = None
             if with_kv is not None:
-                state = await self.utility("remp_export_request", request_id, prefix, with_kv)
+                state = await self.utility(Utility.EXPORT_REQUEST, request_id, prefix, with_kv)
             await self.engine.engine_core.abort_requests_async([request_id])
             taken = True
         finally:
@@ -446,8 +526,7 @@ class EngineHandle:
         state["paused_seconds"] = time.perf_counter() - t0
         try:
             if with_kv:
-                state["payload"] = self._merge_export(state.pop("files"),
-                                                      prefix + ".safetensors")
+                state["payload"] = merge_rank_parts(state.pop("files"), prefix + ".safetensors")
                 state["kv_bytes"] = os.path.getsize(state["payload"])
         except Exception:
             if taken:  # out of the engine, nothing to send: its client must not wait forever
@@ -494,25 +573,6 @@ class EngineHandle:
         op.abort_requests([request_id], internal=True)
         return True
 
-    @staticmethod
-    def _merge_export(files: list[str], out: str) -> str:
-        """Every rank's slices (``L<layer>.h<first head>``) into one tensor per layer."""
-        import torch
-        from safetensors import safe_open
-        from safetensors.torch import save_file
-
-        parts: dict[int, list] = {}
-        for f in files:
-            with safe_open(f, framework="pt") as st:
-                for key in st.keys():
-                    layer, head = key[1:].split(".h")
-                    parts.setdefault(int(layer), []).append((int(head), st.get_tensor(key)))
-            os.unlink(f)
-        merged = {f"L{ly}": torch.cat([t for _, t in sorted(p, key=lambda x: x[0])], dim=1)
-                  for ly, p in parts.items()}
-        save_file(merged, out)
-        return out
-
     async def import_request(self, request_id: str, prompt_token_ids: list[int],
                              output_token_ids: list[int], max_tokens: int, temperature: float,
                              ignore_eos: bool, payload: str | None):
@@ -521,15 +581,27 @@ class EngineHandle:
         remp import connector, otherwise everything is prefilled again (recompute). Yields
         vLLM RequestOutputs."""
         from vllm import SamplingParams
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMServerError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from remp.errors import InvalidArgument, Unavailable
 
         tokens = list(prompt_token_ids) + list(output_token_ids)
-        extra = ({"kv_transfer_params": {"remp_import": payload, "tokens": len(tokens) - 1}}
+        extra = ({"kv_transfer_params": import_params(payload, len(tokens) - 1)}
                  if payload else None)
-        params = SamplingParams(max_tokens=max(1, max_tokens - len(output_token_ids)),
-                                temperature=temperature, ignore_eos=ignore_eos, extra_args=extra)
-        async for out in self.engine.generate({"prompt_token_ids": tokens}, params,
-                                              request_id=request_id):
-            yield out
+        try:
+            params = SamplingParams(max_tokens=max(1, max_tokens - len(output_token_ids)),
+                                    temperature=temperature, ignore_eos=ignore_eos,
+                                    extra_args=extra)
+            async for out in self.engine.generate({"prompt_token_ids": tokens}, params,
+                                                  request_id=request_id):
+                yield out
+        except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's request validation
+            raise InvalidArgument(f"vLLM refused the request: {exc}") from None
+        except EngineDeadError:
+            raise Unavailable("the engine died; the agent restarts it (retry)") from None
+        except (GracefulHTTPError, VLLMServerError) as exc:
+            raise Unavailable(f"the engine could not run the request: {exc}") from None
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -13,11 +13,17 @@ the request on host B as prompt + tokens generated so far, with ``kv_transfer_pa
   payload into the request's blocks before the forward pass (synchronous).
 
 Requests without ``remp_import`` never touch it: the healthy path costs one dict lookup per new
-request.
+request. Only the agent's own imports are honoured: ``kv_transfer_params`` also arrive from the
+OpenAI API (any HTTP client may send them), so an import must carry the agent's per-process key
+and name a file in the agent's private import directory (both from the environment the agent
+gives its engine); anything else is an ordinary request. The agent checks every payload (names,
+shapes, dtype, sizes, finite values) before it submits the request; the worker checks shapes
+again and never lets a payload it cannot load take the engine down.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from node_agent.engine_plugin.imports import trusted_import
+from node_agent.kv.codec import layer_key, rank_heads
+
 CONNECTOR_NAME = "RempImportConnector"
 MODULE_PATH = "node_agent.engine_plugin.connector"
+log = logging.getLogger("remp.node_agent.connector")
 
 
 def kv_transfer_config() -> dict:
@@ -52,7 +62,11 @@ class RempImportMetadata(KVConnectorMetadata):
 
 def _params(request) -> dict | None:
     p = getattr(request, "kv_transfer_params", None)
-    return p if isinstance(p, dict) and "remp_import" in p else None
+    if not isinstance(p, dict) or "remp_import" not in p:
+        return None
+    if not trusted_import(p):  # e.g. sent to the OpenAI API: an ordinary request
+        return None
+    return p
 
 
 class RempImportConnector(KVConnectorBase_V1):
@@ -100,18 +114,36 @@ class RempImportConnector(KVConnectorBase_V1):
 
         tp_rank = ps.get_tensor_model_parallel_rank()
         for load in meta.loads:
-            with safe_open(load.path, framework="pt") as f:
-                for name, layer in forward_context.no_compile_layers.items():
-                    kv = getattr(layer, "kv_cache", None)
-                    if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
-                        continue
-                    src = f.get_tensor(f"L{extract_layer_index(name)}")  # [blocks, all heads, ...]
-                    heads = kv.shape[1]
-                    part = src.narrow(1, tp_rank * heads, heads)
-                    nb = min(part.shape[0], len(load.block_ids))
-                    ids = torch.tensor(load.block_ids[:nb], dtype=torch.long, device=kv.device)
-                    kv.index_copy_(0, ids, part[:nb].to(device=kv.device, dtype=kv.dtype))
-            self.loaded[load.request_id] = load.tokens
+            try:
+                self._load_one(load, forward_context, tp_rank, safe_open, extract_layer_index)
+            except Exception as exc:  # noqa: BLE001 - a payload never takes the engine down
+                # the agent checked it before submitting; this is a bug, not a client's bytes.
+                # The request continues without that KV (wrong tokens, not a dead engine).
+                log.error("remp import of %s failed: %s: %s", load.request_id,
+                          type(exc).__name__, exc)
+
+    def _load_one(self, load: _Load, forward_context, tp_rank: int, safe_open,
+                  extract_layer_index) -> None:
+        with safe_open(load.path, framework="pt") as f:
+            names = set(f.keys())
+            for name, layer in forward_context.no_compile_layers.items():
+                kv = getattr(layer, "kv_cache", None)
+                if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+                    continue
+                key = layer_key(extract_layer_index(name))
+                if key not in names:
+                    raise ValueError(f"payload lacks {key}")
+                src = f.get_tensor(key)  # [blocks, all heads, ...]
+                heads = kv.shape[1]
+                if (src.dim() != kv.dim() or tuple(src.shape[2:]) != tuple(kv.shape[2:])
+                        or src.shape[1] < (tp_rank + 1) * heads):
+                    raise ValueError(f"{key}: shape {tuple(src.shape)} does not fit the KV "
+                                     f"cache {tuple(kv.shape)} at TP rank {tp_rank}")
+                part = rank_heads(src, tp_rank, heads)
+                nb = min(part.shape[0], len(load.block_ids))
+                ids = torch.tensor(load.block_ids[:nb], dtype=torch.long, device=kv.device)
+                kv.index_copy_(0, ids, part[:nb].to(device=kv.device, dtype=kv.dtype))
+        self.loaded[load.request_id] = load.tokens
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

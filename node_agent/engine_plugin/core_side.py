@@ -1,7 +1,9 @@
 """Engine-core side of the engine plugin (``vllm.general_plugins`` entry point ``register``).
 
 Part of the one place that touches vLLM internals (see ``node_agent.engine_plugin``). Adds
-``remp_*`` utility methods to ``EngineCore`` (called from the agent with ``call_utility``), and
+the :class:`~node_agent.engine_plugin.Utility` methods to ``EngineCore`` (called from the agent
+with ``call_utility``; a switch step answers with its result or its failure and phase, see
+:mod:`node_agent.engine_plugin.steps`), and
 registers the ``remp_shm`` model loader (weights from the host's shared-memory store) in every
 vLLM process.
 
@@ -11,18 +13,24 @@ executes these utilities between steps, requests that arrive are queued, none ar
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from collections import deque
 
+from node_agent.engine_plugin import Utility
+from node_agent.engine_plugin.steps import StepError, earliest, failure, success
+
+log = logging.getLogger("remp.node_agent.core_side")
 LOADER_STATS: dict[str, int] = {"calls": 0, "bytes": 0}
 
 
 # --------------------------------------------------------------------------- engine-core utilities
 
 
-class WorkerStepFailed(RuntimeError):
-    pass
+class WorkerStepFailed(StepError):
+    """Ranks reported a failed step; the phase is the earliest any of them reported."""
 
 
 def _rpc(self, method: str, *args) -> list:
@@ -31,8 +39,24 @@ def _rpc(self, method: str, *args) -> list:
     replies = self.collective_rpc(method, args=args)
     errors = [r for r in replies if isinstance(r, dict) and "error" in r]
     if errors:
-        raise WorkerStepFailed("; ".join(f"rank {r['rank']}: {r['error']}" for r in errors))
+        raise WorkerStepFailed(earliest([r.get("phase") for r in errors]),
+                               "; ".join(f"rank {r['rank']}: {r['error']}" for r in errors))
     return replies
+
+
+def _step(fn):
+    """A switch step's utility: its result, or its failure with the phase, as the reply (vLLM
+    would turn a raised exception into text; see node_agent.engine_plugin.steps)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        try:
+            return success(fn(self, *args))
+        except Exception as exc:  # noqa: BLE001 - the front end raises it as EngineStepFailed
+            log.warning("%s failed: %s: %s", fn.__name__, type(exc).__name__, exc)
+            return failure(exc)
+
+    return wrapper
 
 
 def _remp_engine_info(self) -> dict:
@@ -80,6 +104,7 @@ def _live_block_ids(self) -> list[int]:
     return out
 
 
+@_step
 def _remp_sw_begin(self, switch_id: str, tp: int, pp: int, freeze_wall: float, fault: str) -> dict:
     """After the pause completed: check quiescence, remember what the switch must preserve."""
     if self.batch_queue:
@@ -98,15 +123,20 @@ def _remp_sw_begin(self, switch_id: str, tp: int, pp: int, freeze_wall: float, f
     return {"running": len(sched.running), "waiting": len(sched.waiting), "workers": res}
 
 
+@_step
 def _remp_sw_activate(self, tp: int, pp: int, fault: str) -> list:
     return _rpc(self, "remp_sw_activate", tp, pp, fault)
 
 
 def _units_per_block(self, tp: int, pp: int) -> int:
     """A block's per-rank size in (layer, KV head) units: what a topology change rescales."""
+    from remp.kvplan import RankView
+    from remp.topology import Topology
+
     hf = self.vllm_config.model_config.hf_text_config
-    heads = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
-    return (hf.num_hidden_layers // pp) * (heads // tp)
+    view = RankView(Topology(tp, pp), hf.num_hidden_layers,
+                    getattr(hf, "num_key_value_heads", hf.num_attention_heads))
+    return view.layers_per_stage * view.heads_per_rank
 
 
 def _request_blocks(self, req) -> list[int]:
@@ -156,6 +186,7 @@ def _plan_pool(self, tp: int, pp: int) -> dict:
             "remap": remap}
 
 
+@_step
 def _remp_sw_data_path(self, overlap: bool, fault: str) -> dict:
     sw = self._remp_sw
     pool = self.scheduler.kv_cache_manager.block_pool
@@ -235,6 +266,7 @@ def _apply_topology(self, tp: int, pp: int) -> None:
     self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
 
 
+@_step
 def _remp_sw_rebind(self, fault: str) -> dict:
     """REBINDING: workers take the migrated KV and in-flight requests; engine core follows."""
     sw = self._remp_sw
@@ -277,10 +309,12 @@ def _watch_first_token(self) -> None:
     self.step_fn = step_and_watch
 
 
+@_step
 def _remp_sw_commit(self) -> list:
     return _rpc(self, "remp_sw_commit")
 
 
+@_step
 def _remp_sw_rollback(self) -> dict:
     """Back to the old topology: workers reverse what they did; engine-core state restored."""
     sw = self._remp_sw
@@ -359,19 +393,20 @@ def _remp_export_request(self, request_id: str, prefix: str, with_kv: bool) -> d
 
 
 UTILITIES = {
-    "remp_list_requests": _remp_list_requests,
-    "remp_export_request": _remp_export_request,
-    "remp_engine_info": _remp_engine_info,
-    "remp_missing_internals": _remp_missing_internals,
-    "remp_setup": _remp_setup,
-    "remp_sw_begin": _remp_sw_begin,
-    "remp_sw_activate": _remp_sw_activate,
-    "remp_sw_data_path": _remp_sw_data_path,
-    "remp_sw_rebind": _remp_sw_rebind,
-    "remp_sw_commit": _remp_sw_commit,
-    "remp_sw_rollback": _remp_sw_rollback,
-    "remp_sw_first_token": _remp_sw_first_token,
+    Utility.LIST_REQUESTS: _remp_list_requests,
+    Utility.EXPORT_REQUEST: _remp_export_request,
+    Utility.ENGINE_INFO: _remp_engine_info,
+    Utility.MISSING_INTERNALS: _remp_missing_internals,
+    Utility.SETUP: _remp_setup,
+    Utility.SW_BEGIN: _remp_sw_begin,
+    Utility.SW_ACTIVATE: _remp_sw_activate,
+    Utility.SW_DATA_PATH: _remp_sw_data_path,
+    Utility.SW_REBIND: _remp_sw_rebind,
+    Utility.SW_COMMIT: _remp_sw_commit,
+    Utility.SW_ROLLBACK: _remp_sw_rollback,
+    Utility.SW_FIRST_TOKEN: _remp_sw_first_token,
 }
+assert set(UTILITIES) == set(Utility), set(Utility) ^ set(UTILITIES)
 
 
 # --------------------------------------------------------------------------- model loader
@@ -460,5 +495,5 @@ def register() -> None:
     _tune_worker_spin()
 
     for name, fn in UTILITIES.items():
-        setattr(EngineCore, name, fn)
+        setattr(EngineCore, str(name), fn)
     _register_loader()

@@ -19,9 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node_agent.kv_migration import InjectedFault, TorchDistTransport, migrate_kv
+from node_agent.engine_plugin.steps import StepError, phase_name
+from node_agent.kv.codec import first_head, rank_part_key
+from node_agent.kv.common import InjectedFault
+from node_agent.kv.migrate import migrate_kv
+from node_agent.kv.transport import TorchDistTransport
 from remp.kvplan import RankView, migration_plan
 from remp.topology import Topology
+from remp.transaction import Phase
 
 # The parallel-state globals that make up one topology's groups (vLLM 0.32.0).
 GROUP_GLOBALS = ("_TP", "_ETP", "_ENGRAM_DP", "_DCP", "_PCP", "_PP", "_DP", "_EP", "_EPLB")
@@ -105,23 +110,29 @@ def _alloc_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
-def _reported(fn):
+def _reported(phase: Phase | None = None):
     """Never let a switch step raise inside the worker: vLLM's executor stops reading replies at
     the first failing rank and the others' replies would answer the *next* collective call. The
-    error travels in the reply instead; the engine core raises once every rank has answered."""
+    error travels in the reply instead, with the phase it failed in (a :class:`StepError`'s own,
+    else the step's ``phase``); the engine core raises once every rank has answered."""
     import functools
 
-    @functools.wraps(fn)
-    def wrapper(self, *args):
-        try:
-            return fn(self, *args)
-        except Exception as exc:  # noqa: BLE001 - reported to the engine core, which raises
-            import traceback
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args):
+            try:
+                return fn(self, *args)
+            except Exception as exc:  # noqa: BLE001 - reported to the engine core, which raises
+                import traceback
 
-            return {"rank": self.rank, "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(limit=8)}
+                error = str(exc) if isinstance(exc, StepError) else f"{type(exc).__name__}: {exc}"
+                return {"rank": self.rank, "error": error,
+                        "phase": phase_name(exc) or (phase.name if phase else None),
+                        "traceback": traceback.format_exc(limit=8)}
 
-    return wrapper
+        return wrapper
+
+    return decorate
 
 
 def _release_memory() -> None:
@@ -203,6 +214,12 @@ class RempWorkerExtension:
 
         rss = psutil.Process().memory_info().rss
         kv_resident = sum(_resident_bytes(t) for t in self.model_runner.kv_caches)
+        # one layer's KV tensor after (blocks, heads), and its dtype: what an imported
+        # request's payload must hold per layer (checked by the agent before the engine sees it)
+        first = next((t for t in self.model_runner.kv_caches
+                      if isinstance(t, torch.Tensor) and t.numel()), None)
+        kv_layout = ({"rest": list(first.shape[2:]), "dtype": str(first.dtype).split(".")[-1]}
+                     if first is not None else None)
         return {
             "rank": self.rank,
             "kv_resident_bytes": kv_resident,
@@ -214,6 +231,7 @@ class RempWorkerExtension:
             "rss_bytes": rss,
             "num_kv_layers": len(self.model_runner.kv_caches),
             "standby": _is_standby(self.model_runner),
+            "kv_layout": kv_layout,
         }
 
     def remp_missing_internals(self) -> list[str]:
@@ -246,7 +264,7 @@ class RempWorkerExtension:
 
     # ------------------------------------------------------------------ set-up (once)
 
-    @_reported
+    @_reported()
     def remp_setup(self, candidates: list[tuple[int, int]], store_path: str) -> dict:
         """Once, at engine start, identically on every rank:
 
@@ -314,7 +332,7 @@ class RempWorkerExtension:
 
     # ------------------------------------------------------------------ the switch steps
 
-    @_reported
+    @_reported(Phase.PREPARING_WORKERS)
     def remp_sw_prepare(self, switch_id: str, tp: int, pp: int, fault: str) -> dict:
         """PREPARING_WORKERS: detach the old runner's KV into a per-layer dict we own."""
         st = self._remp
@@ -335,7 +353,7 @@ class RempWorkerExtension:
         _maybe_fault(fault, "PREPARING_WORKERS")
         return {"rank": self.rank, "old_layers": sorted(st.old_layers)}
 
-    @_reported
+    @_reported(Phase.MPU_APPLIED)
     def remp_sw_activate(self, tp: int, pp: int, fault: str) -> dict:
         """MPU_APPLIED: swap in the prebuilt groups of the target (O(1))."""
         t0 = time.perf_counter()
@@ -343,7 +361,7 @@ class RempWorkerExtension:
         _maybe_fault(fault, "MPU_APPLIED")
         return {"rank": self.rank, "seconds": time.perf_counter() - t0}
 
-    @_reported
+    @_reported(Phase.RELOAD_SHARDS)  # the KV migration's failures say MIGRATE_KV
     def remp_sw_data_path(self, block_ids: list[int], overlap: bool, fault: str,
                           dst_block_ids: list[int] | None = None,
                           new_num_blocks: int | None = None) -> dict:
@@ -378,7 +396,7 @@ class RempWorkerExtension:
                                       new_layers=st.new_layers, done=st.moved, **dst_kw)
                 result["kv"] = stats.as_dict()
             except BaseException as exc:  # noqa: BLE001 - reported to the engine core
-                errors.append(RuntimeError(f"[MIGRATE_KV] {type(exc).__name__}: {exc}"))
+                errors.append(StepError(Phase.MIGRATE_KV, f"{type(exc).__name__}: {exc}"))
             finally:
                 result["kv_seconds"] = time.perf_counter() - t
                 result["kv_window"] = (t, time.perf_counter())
@@ -394,7 +412,7 @@ class RempWorkerExtension:
                 result["weight_bytes"] = nbytes
                 _maybe_fault(fault, "RELOAD_SHARDS")
             except BaseException as exc:  # noqa: BLE001
-                errors.append(RuntimeError(f"[RELOAD_SHARDS] {type(exc).__name__}: {exc}"))
+                errors.append(StepError(Phase.RELOAD_SHARDS, f"{type(exc).__name__}: {exc}"))
             finally:
                 result["reload_seconds"] = time.perf_counter() - t
                 result["reload_breakdown"] = st.stats.get("reload_breakdown", {})
@@ -417,7 +435,7 @@ class RempWorkerExtension:
             raise errors[0]
         return result
 
-    @_reported
+    @_reported(Phase.REBINDING)
     def remp_sw_rebind(self, out_tokens: dict[str, list[int]], fault: str,
                        remap: dict[int, int] | None = None,
                        imported: dict | None = None) -> dict:
@@ -468,7 +486,7 @@ class RempWorkerExtension:
         return {"rank": self.rank, "seconds": time.perf_counter() - t0, "requests": len(reqs),
                 "standby": _is_standby(new)}
 
-    @_reported
+    @_reported(Phase.SERVING_NEW)
     def remp_sw_commit(self) -> dict:
         """SERVING_NEW: drop what only rollback needed (old runner, old model)."""
         st = self._remp
@@ -482,7 +500,7 @@ class RempWorkerExtension:
         runner = self.model_runner
         return {} if _is_standby(runner) else dict(runner.requests)
 
-    @_reported
+    @_reported()
     def remp_export_kv(self, block_ids: list[int], prefix: str) -> dict:
         """This rank's part of one request's KV (its layers × its KV heads of ``block_ids``) to
         ``prefix``.rank<r> (safetensors; key ``L<layer>.h<first head>``)."""
@@ -496,8 +514,8 @@ class RempWorkerExtension:
         ids = torch.tensor(block_ids, dtype=torch.long)
         out = {}
         for ly, t in layers.items():
-            lo = ps.get_tensor_model_parallel_rank() * t.shape[1]
-            out[f"L{ly}.h{lo}"] = t.index_select(0, ids.to(t.device)).cpu().contiguous()
+            lo = first_head(ps.get_tensor_model_parallel_rank(), t.shape[1])
+            out[rank_part_key(ly, lo)] = t.index_select(0, ids.to(t.device)).cpu().contiguous()
         path = f"{prefix}.rank{self.rank}"
         save_file(out, path)
         return {"rank": self.rank, "file": path,
@@ -506,7 +524,7 @@ class RempWorkerExtension:
     def remp_sw_moved(self) -> list[int]:
         return list(self._remp.moved)
 
-    @_reported
+    @_reported(Phase.ROLLING_BACK)
     def remp_sw_rollback(self, moved_everywhere: list[int]) -> dict:
         """Back to the old topology with the KV intact: reverse-migrate the layers already
         moved, reinstall the old groups, runner and forward context."""

@@ -7,9 +7,10 @@ import grpc
 import httpx
 import pytest
 
+from remp.auth import Credentials, Role
 from remp.common.v1 import types_pb2
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
-from tests.helpers import AgentProcess, complete, execute_switch, grpcurl
+from tests.helpers import AgentProcess, arm_switch, complete, execute_switch, grpcurl
 
 pytestmark = pytest.mark.e2e
 
@@ -19,14 +20,41 @@ N_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tp2_agent(tiny_model, artifacts_dir):
-    """TP2PP1 fp32 agent; observed from the moment it starts (health before ready)."""
+def native(tiny_model, artifacts_dir):
+    """The agents started natively on TP1PP2 for the two topology tests below: started with the
+    module (their starts overlap those of tp2_agent and the session's plain TP1PP1 agent); each
+    test waits for its own."""
+    agents = {
+        # no world changes, no warm-up visits of other topologies
+        "fp32": AgentProcess(tiny_model, tp=1, pp=2, dtype="float32", log_dir=artifacts_dir,
+                             node="e2e-native-fp32",
+                             extra=["--no-world-changes", "--no-warm-up-candidates"]),
+        "bf16": AgentProcess(tiny_model, tp=1, pp=2, dtype="bfloat16", log_dir=artifacts_dir,
+                             node="e2e-native-bf16")}
+    try:
+        for a in agents.values():
+            a.start()
+        yield agents
+    finally:
+        for a in agents.values():
+            a.stop()  # idempotent
+
+
+@pytest.fixture(scope="module")
+def tp2_agent(tiny_model, artifacts_dir, native, plain_tp1_started):
+    """TP2PP1 fp32 agent; observed from the moment it starts (health before ready). The other
+    engines of this module start meanwhile (``native``, ``plain_tp1_started``)."""
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir, node="e2e-tp2")
     a.start().wait_ready()
     yield a
     rc, orphans = a.stop()
     assert rc == 0, a.log_tail()
     assert orphans == []
+
+
+def as_controller() -> list[str]:
+    """grpcurl's flag that sends the controller's credential (switches come only from it)."""
+    return ["-H", f"authorization: Bearer {Credentials.load().tokens[Role.CONTROLLER]}"]
 
 
 def generate_all(agent) -> list[str]:
@@ -85,11 +113,19 @@ def test_health_check_via_grpcurl(tp2_agent):
 
 
 def test_execute_switch_rejects_non_candidate(tp2_agent):
-    r = grpcurl("-plaintext", "-d", '{"target": {"tp": 4, "pp": 1}, "switch_id": "s1"}',
+    r = grpcurl("-plaintext", *as_controller(), "-d",
+                '{"target": {"tp": 4, "pp": 1}, "switch_id": "s1"}',
                 tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
     assert r.returncode != 0
     assert "InvalidArgument" in r.stderr
     assert "valid targets: TP1PP1, TP2PP1, TP1PP2" in r.stderr
+
+
+def test_execute_switch_without_a_credential_is_unauthenticated(tp2_agent):
+    r = grpcurl("-plaintext", "-d", '{"target": {"tp": 1, "pp": 2}}',
+                tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
+    assert r.returncode != 0 and "Unauthenticated" in r.stderr, r.stderr
+    assert tp2_agent.describe().topology.tp == 2  # nothing switched
 
 
 def test_get_unknown_switch_is_not_found(tp2_agent):
@@ -116,26 +152,24 @@ def test_agent_log_lines_carry_node(tp2_agent):
     assert recs and all(r.get("node") == "e2e-tp2" for r in recs)
 
 
-def test_fp32_greedy_identical_across_topologies(tp2_agent, tiny_model, artifacts_dir):
+def test_fp32_greedy_identical_across_topologies(tp2_agent, plain_tp1_agent, native):
+    # each started natively on its topology: TP1PP1 the session's plain-vLLM agent
+    # (tests/e2e/conftest.py), TP1PP2 the module's (no world changes, no warm-up visits)
     outputs = {(2, 1): generate_all(tp2_agent)}
-    for tp, pp in TOPOLOGIES:
-        if (tp, pp) in outputs:
-            continue
-        # started natively on (tp, pp): no world changes, no warm-up visits of other topologies
-        a = AgentProcess(tiny_model, tp=tp, pp=pp, dtype="float32", log_dir=artifacts_dir,
-                         extra=["--no-world-changes", "--no-warm-up-candidates"])
-        with a:
-            assert a.describe().topology.pp == pp
-            outputs[(tp, pp)] = generate_all(a)
+    for (tp, pp), a in (((1, 1), plain_tp1_agent), ((1, 2), native["fp32"].wait_ready())):
+        d = a.describe()
+        assert (d.topology.tp, d.topology.pp) == (tp, pp) and d.model.dtype == "float32"
+        outputs[(tp, pp)] = generate_all(a)
+    native["fp32"].stop()
     assert outputs[(1, 1)] == outputs[(2, 1)] == outputs[(1, 2)], outputs
     assert len(set(outputs[(1, 1)])) == len(PROMPTS)  # different prompts, different outputs
 
 
-def test_bf16_serves_every_topology(tiny_model, artifacts_dir):
+def test_bf16_serves_every_topology(native):
     # bf16 started natively with pipeline parallelism (vLLM's own PP start: the case that once
     # died with SIGILL on an AMX host), then every other topology by switching in place
-    a = AgentProcess(tiny_model, tp=1, pp=2, dtype="bfloat16", log_dir=artifacts_dir)
-    with a:
+    a = native["bf16"].wait_ready()
+    try:
         assert a.describe().model.dtype == "bfloat16"
         outs = {(1, 2): generate_all(a)}
         for tp, pp in TOPOLOGIES:
@@ -146,16 +180,23 @@ def test_bf16_serves_every_topology(tiny_model, artifacts_dir):
             d = a.describe()
             assert (d.topology.tp, d.topology.pp) == (tp, pp)
             outs[(tp, pp)] = generate_all(a)
+    finally:
+        a.stop()
     assert all(all(o) for o in outs.values()) and len(outs) == len(TOPOLOGIES)
-    rc, orphans = a.stop()  # already stopped by the context manager: idempotent
+    rc, orphans = a.stop()  # already stopped above: idempotent
     assert rc == 0 and orphans == []
 
 
 def test_fault_injection_needs_the_setting(tp2_agent):
-    r = grpcurl("-plaintext", "-d", '{"target": {"tp": 1, "pp": 2}, "fail_at_phase": "PHASE_QUIESCING"}',
+    # the production messages carry no test-only fields
+    r = grpcurl("-plaintext", *as_controller(), "-d",
+                '{"target": {"tp": 1, "pp": 2}, "fail_at_phase": "PHASE_QUIESCING"}',
                 tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
-    assert r.returncode != 0 and "InvalidArgument" in r.stderr
-    assert "fault injection setting" in r.stderr
-    r = grpcurl("-plaintext", "-d", '{"target": {"tp": 1, "pp": 2}, "test_start_when_running": 2}',
-                tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
-    assert r.returncode != 0 and "fault injection setting" in r.stderr
+    assert r.returncode != 0 and "fail_at_phase" in r.stderr
+    # and an agent without the setting serves no FaultInjection service
+    r = grpcurl("-plaintext", tp2_agent.grpc_addr, "list")
+    assert r.returncode == 0 and "remp.node_agent.v1.NodeAgent" in r.stdout
+    assert "FaultInjection" not in r.stdout
+    with pytest.raises(grpc.RpcError) as e:
+        asyncio.run(arm_switch(tp2_agent.grpc_addr, start_when_running=2))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

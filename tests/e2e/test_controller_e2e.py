@@ -13,8 +13,9 @@ import grpc
 import httpx
 import pytest
 
-from remp.agentproc import (AgentProcess, ControllerProcess, execute_switch, grpcurl, prompt,
-                            stream_completion)
+from devstack.agentproc import (AgentProcess, ControllerProcess, arm_switch, disarm,
+                            execute_switch, grpcurl, prompt, stream_completion)
+from remp.auth import Credentials, aio_channel
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
@@ -22,7 +23,6 @@ from remp.redisproc import RedisServer
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "e2e-token"
 NODE = "e2e-ctl"
 PROMPTS = [prompt(i, 120) for i in range(2)]
 MAX_TOKENS = 300
@@ -34,11 +34,11 @@ T = types_pb2.Topology
 @pytest.fixture(scope="module")
 def stack(tiny_model, artifacts_dir):
     with RedisServer() as r:
-        ctl = ControllerProcess(r.url, log_dir=artifacts_dir, token=TOKEN, name="ctl-e2e")
+        ctl = ControllerProcess(r.url, log_dir=artifacts_dir, name="ctl-e2e")
         ctl.start().wait_ready()
         agent = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
                              node=NODE, env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
-                             extra=["--controller", ctl.addr, "--controller-token", TOKEN])
+                             extra=["--controller", ctl.addr])  # credentials: the env's file
         try:
             with agent:
                 wait_registered(ctl)
@@ -47,11 +47,21 @@ def stack(tiny_model, artifacts_dir):
             ctl.stop()
 
 
-def wait_registered(ctl):
-    return ctl.wait_node_ready(NODE)
+def wait_registered(ctl, timeout=30):
+    """Until the agent has renewed its lease (registered or heartbeated) after this call, i.e.
+    with the controller process now running: Redis alone still shows the node READY from
+    before a restart."""
+    t0 = time.monotonic()
+    while True:
+        st = ctl.wait_node_ready(NODE)
+        if st.lease_age_seconds < time.monotonic() - t0:
+            return st
+        assert time.monotonic() - t0 < timeout, "the agent never reached the new controller"
+        time.sleep(0.2)
 
 
 def call(ctl, method, req, md=True, timeout=10):
+    """As the operator (md) or anonymously (the reads are open)."""
     with grpc.insecure_channel(ctl.addr) as ch:
         return getattr(ctl.stub(ch), method)(req, metadata=ctl.metadata() if md else None,
                                              timeout=timeout)
@@ -114,14 +124,17 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
 
     async def go():
         async with httpx.AsyncClient(timeout=600) as c:
-            # The agent's test-only start gate holds the switch until the engine has both
-            # requests decoding: on 2 busy cores grpcurl → controller → agent takes seconds
-            # mid-decode, so the switch is requested first and the streams start once the
-            # agent holds it (the controller dispatches after it answers).
+            # The agent's test-only start gate (armed through its FaultInjection service for
+            # the next switch) holds the switch until the engine has both requests decoding:
+            # on 2 busy cores grpcurl → controller → agent takes seconds mid-decode, so the
+            # switch is requested first and the streams start once the agent holds it (the
+            # controller dispatches after it answers).
+            await arm_switch(agent.grpc_addr, start_when_running=len(PROMPTS))
             r = await asyncio.to_thread(
-                grpcurl, "-plaintext", "-H", f"authorization: Bearer {TOKEN}", "-d",
+                grpcurl, "-plaintext", "-H",
+                f"authorization: {dict(ctl.metadata('operator'))['authorization']}", "-d",
                 json.dumps({"node": NODE, "target": {"tp": 1, "pp": 2}, "request_id": "grpcurl-1",
-                            "reason": "e2e", "test_start_when_running": len(PROMPTS)}),
+                            "reason": "e2e"}),
                 ctl.addr, "remp.controller.v1.Controller/Reconfigure")
             sid = (json.loads(r.stdout or "{}").get("switchId") if r.returncode == 0 else None)
             deadline = time.monotonic() + 60
@@ -131,7 +144,10 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
             tasks = [asyncio.create_task(stream_completion(c, agent.http, p, MAX_TOKENS))
                      for p in PROMPTS]
             return await asyncio.gather(*tasks), r
-    outs, r = asyncio.run(go())
+    try:
+        outs, r = asyncio.run(go())
+    finally:
+        asyncio.run(disarm(agent.grpc_addr))  # nothing armed survives into the next test
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     sid = out.get("switchId") or out.get("switch_id")
@@ -283,9 +299,9 @@ def test_agent_abort_rolls_back_before_migrate_kv(stack):
     async def go():
         # the test-only start gate holds the switch before QUIESCING (no requests are running)
         sw = asyncio.create_task(execute_switch(agent.grpc_addr, *target, switch_id="abort-me",
-                                                test_start_when_running=3))
+                                                start_when_running=3))
         await asyncio.sleep(1.0)
-        async with grpc.aio.insecure_channel(agent.grpc_addr) as ch:
+        async with aio_channel(agent.grpc_addr, Credentials.load()) as ch:  # as the controller
             r = await node_agent_pb2_grpc.NodeAgentStub(ch).AbortSwitch(
                 node_agent_pb2.AbortSwitchRequest(switch_id="abort-me", reason="op"), timeout=10)
         return r, await sw
@@ -305,8 +321,9 @@ def test_abort_through_the_controller_while_the_agent_holds_the_switch(stack):
     start = agent_topology(agent)
     target = T(tp=2, pp=1) if start == (1, 2) else T(tp=1, pp=2)
     # dispatched, held by the agent's test-only start gate before QUIESCING (nothing is running)
+    asyncio.run(arm_switch(agent.grpc_addr, start_when_running=3))
     sid = call(ctl, "Reconfigure", controller_pb2.ReconfigureRequest(
-        node=NODE, target=target, test_start_when_running=3)).switch_id
+        node=NODE, target=target)).switch_id
     deadline = time.monotonic() + 20
     while agent_record(agent, sid) is None:
         assert time.monotonic() < deadline

@@ -2,13 +2,15 @@
 chromium-driver) against the real stack: Redis + controller + a node agent on vLLM CPU (TP2PP1)
 + `remp dashboard`. A Reconfigure started by the test shows its phases live on the page (fed by
 Controller.Watch through server-sent events) and lands in the history table; the policy's
-advisory recommendation is approved with the page's button; /metrics of the controller and of
-the agent count the switches; `remp reconfigure` prints the phases live. Screenshots go to the
-test artifacts directory."""
+advisory recommendation is approved with the page's button after logging in through the page's
+form with the operator token; /metrics of the controller and of the agent count the switches;
+`remp reconfigure` prints the phases live. Every process gets its credentials from
+$REMP_CREDENTIALS_FILE (tests/conftest.py). Screenshots go to the test artifacts directory."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -19,15 +21,16 @@ import grpc
 import httpx
 import pytest
 
-from remp.agentproc import AgentProcess, ControllerProcess, free_port, prompt, stream_completion
+from devstack.agentproc import (AgentProcess, ControllerProcess, arm_switch, free_port, prompt,
+                               stream_completion)
+from remp.auth import ENV_FILE, ENV_TOKEN
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
-from remp.dashproc import DashboardProcess
+from devstack.dashproc import DashboardProcess
 from remp.redisproc import RedisServer
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "dash-e2e"
 NODE = "dash-e2e"
 PHASES = ["QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED", "MIGRATE_KV", "RELOAD_SHARDS",
           "REBINDING", "SERVING_NEW"]
@@ -39,16 +42,15 @@ CHROMEDRIVER = shutil.which("chromedriver")
 def stack(tiny_model, artifacts_dir):
     mport = free_port()
     with RedisServer() as r:
-        ctl = ControllerProcess(r.url, log_dir=artifacts_dir, token=TOKEN, name="ctl-dash-e2e",
+        ctl = ControllerProcess(r.url, log_dir=artifacts_dir, name="ctl-dash-e2e",
                                 env={"REMP_CONTROLLER_METRICS_PORT": str(mport)})
         ctl.metrics_url = f"http://127.0.0.1:{mport}/metrics"
         ctl.start().wait_ready()
         agent = AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node=NODE,
                              env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
-                             extra=["--controller", ctl.addr, "--controller-token", TOKEN])
+                             extra=["--controller", ctl.addr])
         try:
-            with agent, DashboardProcess(ctl.addr, artifacts_dir, token=TOKEN,
-                                         name="dash-e2e") as dash:
+            with agent, DashboardProcess(ctl.addr, artifacts_dir, name="dash-e2e") as dash:
                 ctl.wait_node_ready(NODE)
                 yield ctl, agent, dash
         finally:
@@ -112,7 +114,7 @@ def reconfigure(ctl, tp, pp, **kw) -> str:
     with grpc.insecure_channel(ctl.addr) as ch:
         r = ctl.stub(ch).Reconfigure(controller_pb2.ReconfigureRequest(
             node=NODE, target=types_pb2.Topology(tp=tp, pp=pp), reason="dashboard e2e", **kw),
-            metadata=ctl.metadata(), timeout=30)
+            timeout=30)
     assert r.switch_id and not r.noop
     return r.switch_id
 
@@ -128,9 +130,11 @@ def test_page_shows_a_switch_live_and_in_history(stack, browser, artifacts_dir):
     time.sleep(1.5)  # the dashboard's Watch is subscribed before the switch starts
     d.save_screenshot(str(artifacts_dir / "dashboard-before.png"))
 
-    # The agent's test-only start gate holds the switch (accepted, not yet quiescing) until one
-    # request is decoding: the page must show it in flight before any phase has run.
-    sid = reconfigure(ctl, 1, 2, test_start_when_running=1)
+    # The agent's test-only start gate (armed for its next switch) holds the switch (accepted,
+    # not yet quiescing) until one request is decoding: the page must show it in flight before
+    # any phase has run.
+    asyncio.run(arm_switch(agent.grpc_addr, start_when_running=1))
+    sid = reconfigure(ctl, 1, 2)
     held = until(lambda: (s := js(d, LIVE_STATE)) and s["id"] == sid and s, 20,
                  "the page shows the accepted switch")
     assert held["state"] == "running" and held["done"] == []
@@ -179,6 +183,7 @@ def test_page_shows_a_switch_live_and_in_history(stack, browser, artifacts_dir):
 
 
 def test_approve_button_runs_the_recommendation(stack, browser, artifacts_dir):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     ctl, agent, dash = stack
@@ -186,14 +191,41 @@ def test_approve_button_runs_the_recommendation(stack, browser, artifacts_dir):
     with grpc.insecure_channel(ctl.addr) as ch:  # what the advisory policy records
         ctl.stub(ch).RecordRecommendation(controller_pb2.RecordRecommendationRequest(
             node=NODE, recommended=types_pb2.Topology(tp=2, pp=1), reason="load fell to 0.2 "
-            "req/s: TP2PP1 has the lower TTFT", decision_id="pd-e2e-1"),
-            metadata=ctl.metadata(), timeout=10)
+            "req/s: TP2PP1 has the lower TTFT", decision_id="pd-e2e-1"), timeout=10)
     d.get(dash.url)
-    btn = until(lambda: d.find_elements(By.CSS_SELECTOR, f'#nodes tr[data-node="{NODE}"] '
-                                        "button.approve"), 30, "an approve button")[0]
+    # read-only until logged in: the recommendation shows, no button, the login form does
+    until(lambda: "lower TTFT" in (node_row(d) or ""), 30, "the page shows the recommendation")
+    assert not d.find_elements(By.CSS_SELECTOR, "button.approve, button.reconfigure")
+    form = d.find_element(By.ID, "login")
+    assert form.is_displayed() and not d.find_element(By.ID, "logout").is_displayed()
+    # a wrong token: refused on the page, still read-only
+    d.find_element(By.ID, "login-token").send_keys("not-the-operator-token-123")
+    d.find_element(By.ID, "login-submit").click()
+    until(lambda: d.find_element(By.ID, "login-error").is_displayed(), 10, "a login error")
+    assert "operator credential" in d.find_element(By.ID, "login-error").text
+    assert not d.find_elements(By.CSS_SELECTOR, "button.approve")
+    # the operator token: logged in (the cookie is HttpOnly: the page's script cannot read it)
+    d.find_element(By.ID, "login-token").send_keys(dash.operator_token())
+    d.find_element(By.ID, "login-submit").click()
+    until(lambda: d.find_element(By.ID, "logout").is_displayed(), 10, "logged in")
+    assert not form.is_displayed() and not d.find_element(By.ID, "login-error").is_displayed()
+    assert "approve enabled" in d.find_element(By.ID, "access").text
+    assert js(d, "return document.cookie") == ""
+    assert d.find_element(By.ID, "login-token").get_attribute("value") == ""
+    d.save_screenshot(str(artifacts_dir / "dashboard-logged-in.png"))
+    css = f'#nodes tr[data-node="{NODE}"] button.approve'
+    btn = until(lambda: d.find_elements(By.CSS_SELECTOR, css), 30, "an approve button")[0]
     assert btn.text == "Approve TP2PP1"
-    time.sleep(1.5)
-    btn.click()
+    until(lambda: "live" in js(d, "return document.querySelector('#stream').textContent"), 20,
+          "the event stream is connected")
+
+    def click():  # the table is redrawn every 2 s: a button found a moment ago may be gone
+        try:
+            d.find_element(By.CSS_SELECTOR, css).click()
+            return True
+        except (StaleElementReferenceException, NoSuchElementException):
+            return False
+    until(click, 10, "the approve button clicked")
     final = until(lambda: (s := js(d, LIVE_STATE)) and s["state"] != "running" and s, 120,
                   "the approved switch finishes")
     assert final["state"] == "succeeded"
@@ -233,10 +265,9 @@ def test_metrics_after_switches(stack):
 
 def test_cli_reconfigure_shows_phases_and_history(stack):
     ctl, agent, dash = stack
-    base = [sys.executable, "-m", "remp.cli"]
+    base = [sys.executable, "-m", "ops.cli"]
     r = subprocess.run([*base, "reconfigure", NODE, "TP1PP2", "--controller", ctl.addr,
-                        "--token", TOKEN, "--reason", "cli e2e"], capture_output=True, text=True,
-                       timeout=180)
+                        "--reason", "cli e2e"], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     order = [next(i for i, ln in enumerate(lines) if f" {ph} " in ln + " ") for ph in PHASES]
@@ -248,6 +279,8 @@ def test_cli_reconfigure_shows_phases_and_history(stack):
     r = subprocess.run([*base, "status", "--controller", ctl.addr], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "SERVING" in r.stdout and "observed TP1PP2" in r.stdout, r.stdout
-    r = subprocess.run([*base, "reconfigure", NODE, "TP1PP2", "--controller", ctl.addr,
-                        "--token", "wrong"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr
+    wrong = {**os.environ, ENV_TOKEN + "OPERATOR": "wrong-operator-token-0123456789"}
+    assert wrong[ENV_FILE]  # the right credentials file, overridden by the wrong token
+    r = subprocess.run([*base, "reconfigure", NODE, "TP1PP2", "--controller", ctl.addr],
+                       capture_output=True, text=True, timeout=60, env=wrong)
+    assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr, r.stdout + r.stderr

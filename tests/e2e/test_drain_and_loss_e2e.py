@@ -21,40 +21,51 @@ import pytest
 import redis
 
 from remp.common.v1 import types_pb2
-from remp.controller.v1 import controller_pb2
-from remp.node_agent.v1 import node_agent_pb2 as pb
-from remp.node_agent.v1 import node_agent_pb2_grpc
+from remp.controller.v1 import controller_pb2, controller_pb2_grpc
 from remp.redisproc import RedisServer
 from tests.helpers import AgentProcess, prompt, stream_completion
-from remp.agentproc import ControllerProcess
+from devstack.agentproc import ControllerProcess, wait_running
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "drain-token"
 MAX_TOKENS = 300
 DRAIN_TOKENS = 380  # prompt (~115) + 380 < max_model_len 512
 LEASE = 10.0  # heartbeats every 3.3 s; a loaded 2-core machine delays them
+LOSS_TEST = "test_killed_agent_requests_are_recomputed_elsewhere"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, artifacts_dir):
+def stack(request, tiny_model, artifacts_dir):
+    """Redis, controller, A and B — and C (the agent the loss test kills) when that test runs:
+    the three engines start at once (each start is mostly one core importing torch and vLLM)."""
     with RedisServer() as r:
-        ctl = ControllerProcess(r.url, log_dir=artifacts_dir, token=TOKEN, name="ctl-drain",
+        ctl = ControllerProcess(r.url, log_dir=artifacts_dir, name="ctl-drain",
                                 lease_seconds=LEASE)
-        ctl.start().wait_ready()
-        reg = ["--controller", ctl.addr, "--controller-token", TOKEN, "--heartbeat-seconds", "0.5",
-               "--request-migration"]
+        ctl.start()  # ready long before the agents: they register once their engines are up
+        # the agents' credentials: the environment's file (tests/conftest.py)
+        reg = ["--controller", ctl.addr, "--heartbeat-seconds", "0.5", "--request-migration"]
         fi = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
         a = AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node="drain-a", env=fi,
                          extra=["--no-warm-up-candidates", *reg])
         b = AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-b", env=fi,
                          extra=["--no-world-changes", *reg])
+        # only with the loss test selected: left alive, C could be a target of the drain tests
+        c = (AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-c",
+                          extra=["--no-world-changes", *reg])
+             if any(i.name == LOSS_TEST for i in request.session.items) else None)
+        agents = [x for x in (a, b, c) if x is not None]
         try:
-            with a, b:
-                ctl.wait_node_ready("drain-a", timeout=300)
-                ctl.wait_node_ready("drain-b", timeout=300)
-                yield r, ctl, a, b
+            for x in agents:
+                x.start()
+            ctl.wait_ready()
+            for x in agents:
+                x.wait_ready()
+            ctl.wait_node_ready("drain-a", timeout=300)
+            ctl.wait_node_ready("drain-b", timeout=300)
+            yield r, ctl, a, b, c
         finally:
+            for x in reversed(agents):
+                x.stop()  # idempotent: C is stopped (killed) by its test
             ctl.stop()
 
 
@@ -98,13 +109,10 @@ def events(ctl, etype):
         return out
 
 
-def test_killed_agent_requests_are_recomputed_elsewhere(stack, tiny_model, artifacts_dir):
-    r, ctl, a, b = stack
+def test_killed_agent_requests_are_recomputed_elsewhere(stack, artifacts_dir):
+    r, ctl, a, b, c = stack  # C: TP1PP1, started with A and B (the module's fixture)
     texts = [prompt(5 + i, 100) for i in range(2)]  # prompt + MAX_TOKENS < max_model_len
     ref = reference(b.http, texts)
-    c = AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-c",
-                     extra=["--no-world-changes", "--request-migration", "--controller", ctl.addr,
-                            "--controller-token", TOKEN, "--heartbeat-seconds", "0.5"])
     try:
         _lose_agent_c(r, ctl, c, texts, ref, artifacts_dir)
     finally:
@@ -112,7 +120,6 @@ def test_killed_agent_requests_are_recomputed_elsewhere(stack, tiny_model, artif
 
 
 def _lose_agent_c(r, ctl, c, texts, ref, artifacts_dir):
-    c.start().wait_ready()
     ctl.wait_node_ready("drain-c")
     rds = redis.Redis.from_url(r.url, decode_responses=True)
 
@@ -164,24 +171,22 @@ def _lose_agent_c(r, ctl, c, texts, ref, artifacts_dir):
 
 
 def test_drain_moves_running_requests_and_refuses_new_ones(stack):
-    r, ctl, a, b = stack
+    r, ctl, a, b, _ = stack
     texts = [prompt(7 + i, 100) for i in range(3)]
     ref = reference(a.http, texts, DRAIN_TOKENS)
 
     async def go():
         async with httpx.AsyncClient(timeout=300) as client:
-            # the drain is requested first; its test gate starts it once A's engine has all
-            # three decoding (the client sees token streams seconds late on 2 cores)
-            drain = asyncio.create_task(asyncio.to_thread(
-                call, ctl, "DrainNode", controller_pb2.DrainNodeRequest(
-                    node="drain-a", target_node="drain-b", reason="maintenance",
-                    test_start_when_running=len(texts)), 180))
-            await asyncio.sleep(0.3)
             outs = [[] for _ in texts]
             tasks = [asyncio.create_task(stream_completion(client, a.http, t, DRAIN_TOKENS,
                                                             pieces=o))
                      for t, o in zip(texts, outs)]
-            resp = await drain
+            # the drain starts once A's engine itself has all three decoding (the client sees
+            # token streams seconds late on 2 cores)
+            await wait_running(a.grpc_addr, len(texts))
+            resp = await asyncio.to_thread(
+                call, ctl, "DrainNode", controller_pb2.DrainNodeRequest(
+                    node="drain-a", target_node="drain-b", reason="maintenance"), 180)
             late = await client.post(f"{a.http}/v1/completions", json={
                 "model": "tiny", "prompt": "hello", "max_tokens": 4})
             await asyncio.gather(*tasks)
@@ -208,7 +213,7 @@ def test_drain_moves_running_requests_and_refuses_new_ones(stack):
 
 
 def test_drain_errors(stack):
-    r, ctl, a, b = stack
+    r, ctl, a, b, _ = stack
     with pytest.raises(grpc.RpcError) as e:
         call(ctl, "DrainNode", controller_pb2.DrainNodeRequest(node="nope"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -216,6 +221,11 @@ def test_drain_errors(stack):
         call(ctl, "DrainNode", controller_pb2.DrainNodeRequest(node="drain-b", target_node="zzz"))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with grpc.insecure_channel(ctl.addr) as ch:
+        raw = controller_pb2_grpc.ControllerStub(ch)  # sends only the metadata given
         with pytest.raises(grpc.RpcError) as e:
-            ctl.stub(ch).DrainNode(controller_pb2.DrainNodeRequest(node="drain-b"), timeout=10)
-    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            raw.DrainNode(controller_pb2.DrainNodeRequest(node="drain-b"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:  # the policy may not drain a node
+            raw.DrainNode(controller_pb2.DrainNodeRequest(node="drain-b"),
+                          metadata=ctl.metadata("policy"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED

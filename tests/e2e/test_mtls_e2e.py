@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from remp.agentproc import AgentProcess, ControllerProcess
+from devstack.agentproc import AgentProcess, ControllerProcess
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc

@@ -25,7 +25,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from remp.agentproc import AgentProcess, ControllerProcess, free_port
+from remp.auth import Credentials, aio_channel
+from devstack.agentproc import AgentProcess, ControllerProcess, free_port
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.policy.v1 import policy_pb2, policy_pb2_grpc
@@ -33,7 +34,6 @@ from remp.redisproc import RedisServer
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "e2e-token"
 NODE = "pol-e2e"
 POLICY_SERVICE = "remp.policy.v1.Policy"
 
@@ -62,7 +62,7 @@ class PolicyProcess:
     def __enter__(self):
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "remp.cli", "policy", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "ops.cli", "policy", "serve", "--port", str(self.port),
              *self.args], stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "REMP_LOG_FORMAT": "json"}, start_new_session=True)
         deadline = time.monotonic() + 60
@@ -130,12 +130,13 @@ def stack(tiny_model, artifacts_dir, tmp_path_factory):
     prof = tmp_path_factory.mktemp("profile") / "flip.json"
     prof.write_text(json.dumps(flip_profile_doc()))
     with RedisServer() as redis, \
-            ControllerProcess(redis.url, log_dir=artifacts_dir, token=TOKEN, lease_seconds=1.5,
+            ControllerProcess(redis.url, log_dir=artifacts_dir, lease_seconds=1.5,
                               name="ctl-policy-e2e") as ctl, \
             AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node=NODE,
-                         extra=["--controller", ctl.addr, "--controller-token", TOKEN]) as agent, \
-            PolicyProcess(["--controller", ctl.addr, "--token", TOKEN, "--profile", str(prof),
+                         extra=["--controller", ctl.addr]) as agent, \
+            PolicyProcess(["--controller", ctl.addr, "--profile", str(prof),
                            "--redis-url", redis.url, "--mode", "advisory",
+                           "--objective", "goodput",
                            "--tick-seconds", "1", "--window-seconds", "2",
                            "--horizon-seconds", "10", "--min-dwell-seconds", "0",
                            "--retry-backoff-seconds", "2"],
@@ -145,8 +146,8 @@ def stack(tiny_model, artifacts_dir, tmp_path_factory):
 
 async def test_advisory_then_auto_on_a_ramp(stack):
     ctl, agent, pol = stack
-    async with grpc.aio.insecure_channel(ctl.addr) as cch, \
-            grpc.aio.insecure_channel(pol.addr) as pch:
+    creds = Credentials.load()
+    async with aio_channel(ctl.addr, creds) as cch, aio_channel(pol.addr, creds) as pch:
         cstub, pstub = ctl.stub(cch), policy_pb2_grpc.PolicyStub(pch)
 
         async def node_state():

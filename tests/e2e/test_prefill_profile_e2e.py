@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from remp.agentproc import AgentProcess
 from remp.recovery import (Action, DisplacedRequest, PrefillTable, crossover_bandwidth, decide)
 
 pytestmark = pytest.mark.e2e
@@ -19,17 +18,13 @@ LENGTHS = [16, 128, 511]  # 511: the longest prompt max_model_len 512 accepts
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model, artifacts_dir):
-    a = AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir,
-                     node="e2e-prefill", extra=["--no-switching"])
-    a.start().wait_ready()
-    yield a
-    rc, orphans = a.stop()
-    assert rc == 0 and not orphans
+def agent(plain_tp1_agent):
+    """TP1PP1 on plain vLLM, shared with test_agent_e2e (tests/e2e/conftest.py)."""
+    return plain_tp1_agent
 
 
 def remp_profile(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "remp.cli", "profile", *args],
+    return subprocess.run([sys.executable, "-m", "ops.cli", "profile", *args],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -8,6 +8,11 @@ diverges (the migrated KV is what B uses). B's prefill table is measured (``remp
 before A starts and A decides with it: throttling the transfer moves the decision from MIGRATE
 to RECOMPUTE exactly where the cost model's crossover says; an SLO nothing can meet aborts the
 request with a retryable error (503 + Retry-After, or an error event on the stream).
+
+A serves its OpenAI API with vLLM's ``--api-key`` (passed after ``--``): every client here sends
+the key, and the migrated requests' relayed continuations reach them through it. The tests call
+the agents with the session's credentials (remp.auth); A may send requests only to the peers it
+is configured with (``REMP_AGENT_MIGRATION_PEERS``: B and the dying stand-in below).
 """
 
 import asyncio
@@ -22,17 +27,29 @@ import httpx
 import psutil
 import pytest
 
+from remp.auth import Credentials, aio_channel
 from remp.common.v1 import types_pb2 as T
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
 from remp.recovery import PrefillTable, crossover_bandwidth
-from tests.helpers import AgentProcess, prompt, stream_completion
+from tests.helpers import AgentProcess, arm_migration, free_port, prompt, stream_completion
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 200
 PROMPT = prompt(3)
 FI = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
+API_KEY = "test-openai-key-0123456789"  # A's OpenAI API (vLLM --api-key)
+DYING_PORT = free_port()  # the dying target's port: one of A's migration peers
+
+
+def api_client(**kw) -> httpx.AsyncClient:
+    """An HTTP client of A's OpenAI API (with its key)."""
+    return httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}, **kw)
+
+
+def agent_channel(addr: str) -> grpc.aio.Channel:
+    return aio_channel(addr, Credentials.load())
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +59,16 @@ def agents(tiny_model, artifacts_dir):
                                     "--worker-spin-seconds", "0.02"])
     b.start().wait_ready()
     table = artifacts_dir / "prefill-mig-b.json"
-    r = subprocess.run([sys.executable, "-m", "remp.cli", "profile", "--agent", b.grpc_addr,
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "profile", "--agent", b.grpc_addr,
                         "--out", str(table), "--lengths", "16,128,256,511", "--repeats", "3"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir, node="mig-a",
-                     env=FI, extra=["--no-warm-up-candidates", "--request-migration", "--prefill-table", str(table),
-                                    "--worker-spin-seconds", "0.02"])
+                     env={**FI, "REMP_AGENT_MIGRATION_PEERS":
+                          f"{b.grpc_addr},127.0.0.1:{DYING_PORT}"},
+                     extra=["--no-warm-up-candidates", "--request-migration", "--prefill-table",
+                            str(table), "--worker-spin-seconds", "0.02",
+                            "--", "--api-key", API_KEY])
     a.start().wait_ready()
     yield a, b, PrefillTable.loads(table.read_text())
     for x in (a, b):
@@ -60,21 +80,23 @@ def agents(tiny_model, artifacts_dir):
 def reference(agents):
     a, _, _ = agents
     async def go():
-        async with httpx.AsyncClient(timeout=300) as c:
+        async with api_client() as c:
             return await stream_completion(c, a.http, PROMPT, MAX_TOKENS)
     return asyncio.run(go())
 
 
-def migrate(a, b, text=PROMPT, stream=True, rpc_errors=None, **kw):
+def migrate(a, b, text=PROMPT, stream=True, rpc_errors=None, poison_kv=False, **kw):
     """Send PROMPT to A; once the engine has it decoding (≥ 10 tokens), A migrates it to B (any
     object with a ``grpc_addr``). Returns (what A's client received — streamed text, or the
     non-streaming response —, continuation from B as the MigrateRequest caller saw it, decision,
     first continuation event, error events on A's stream). A failed MigrateRequest raises, or
     with ``rpc_errors`` (a list) its status code goes there."""
     async def go():
-        async with httpx.AsyncClient(timeout=300) as c, grpc.aio.insecure_channel(a.grpc_addr) as ch:
+        # the agent's test-only gate (FaultInjection) picks the request once it has 10 tokens
+        await arm_migration(a.grpc_addr, wait_output_tokens=10, poison_kv=poison_kv)
+        async with api_client() as c, agent_channel(a.grpc_addr) as ch:
             call = node_agent_pb2_grpc.NodeAgentStub(ch).MigrateRequest(pb.MigrateRequestRequest(
-                target_address=b.grpc_addr, target_node="mig-b", test_wait_output_tokens=10, **kw))
+                target_address=b.grpc_addr, target_node="mig-b", **kw))
             await asyncio.sleep(0.2)  # the agent's gate waits for the request below
             errors: list = []
             client = asyncio.create_task(
@@ -110,7 +132,7 @@ def test_request_continues_on_the_other_agent_token_exact(agents, reference, mod
     assert got == reference and not errors
     assert first.export_seconds > 0
     # A no longer has it; B finished it
-    with grpc.insecure_channel(a.grpc_addr) as ch:
+    with a.channel() as ch:
         left = node_agent_pb2_grpc.NodeAgentStub(ch).ListRequests(pb.ListRequestsRequest(), timeout=30)
     assert not [r for r in left.requests if r.status == "RUNNING"]
 
@@ -131,10 +153,10 @@ def test_zeroed_kv_diverges(agents):
     text = prompt(4)
 
     async def ref():
-        async with httpx.AsyncClient(timeout=300) as c:
+        async with api_client() as c:
             return await stream_completion(c, a.http, text, MAX_TOKENS)
     reference = asyncio.run(ref())
-    got, cont, d, _, _ = migrate(a, b, mode=pb.RECOVERY_MODE_MIGRATE, test_poison_kv=True,
+    got, cont, d, _, _ = migrate(a, b, mode=pb.RECOVERY_MODE_MIGRATE, poison_kv=True,
                                  text=text)
     assert d.action == T.RECOVERY_ACTION_MIGRATE
     assert got != reference and got.endswith(cont)
@@ -191,9 +213,10 @@ def test_client_gone_mid_relay_drops_the_request_on_the_target(agents):
     a, b, _ = agents
 
     async def go():
-        async with httpx.AsyncClient(timeout=300) as c, grpc.aio.insecure_channel(a.grpc_addr) as ch:
+        await arm_migration(a.grpc_addr, wait_output_tokens=10)
+        async with api_client() as c, agent_channel(a.grpc_addr) as ch:
             call = node_agent_pb2_grpc.NodeAgentStub(ch).MigrateRequest(pb.MigrateRequestRequest(
-                target_address=b.grpc_addr, target_node="mig-b", test_wait_output_tokens=10,
+                target_address=b.grpc_addr, target_node="mig-b",
                 mode=pb.RECOVERY_MODE_RECOMPUTE))
             await asyncio.sleep(0.2)
             client = asyncio.create_task(stream_completion(c, a.http, PROMPT, MAX_TOKENS))
@@ -205,7 +228,7 @@ def test_client_gone_mid_relay_drops_the_request_on_the_target(agents):
             return evs
     evs = asyncio.run(go())
     assert evs[-1].finished and evs[-1].finish_reason == "client"
-    with grpc.insecure_channel(b.grpc_addr) as ch:
+    with b.channel() as ch:
         stub = node_agent_pb2_grpc.NodeAgentStub(ch)
         deadline = time.monotonic() + 30
         while stub.ListRequests(pb.ListRequestsRequest(), timeout=30).requests:
@@ -228,7 +251,8 @@ def test_target_failing_mid_relay_ends_the_client_with_a_retryable_error(agents,
     a, _, _ = agents
     server = grpc.server(ThreadPoolExecutor(2))
     node_agent_pb2_grpc.add_NodeAgentServicer_to_server(_TargetThatDies(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{DYING_PORT}")
+    assert port == DYING_PORT
     server.start()
     codes: list = []
     try:
@@ -267,13 +291,13 @@ def test_worker_spin_setting_frees_the_cores_after_a_step(agents, reference):
 
 
 async def _one(agent, text):
-    async with httpx.AsyncClient(timeout=300) as c:
+    async with api_client() as c:
         return await stream_completion(c, agent.http, text, MAX_TOKENS)
 
 
 def test_bad_requests_get_clear_statuses(agents):
     a, b, _ = agents
-    with grpc.insecure_channel(a.grpc_addr) as ch:
+    with a.channel() as ch:
         stub = node_agent_pb2_grpc.NodeAgentStub(ch)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.MigrateRequest(pb.MigrateRequestRequest(request_id="nope",
@@ -282,7 +306,13 @@ def test_bad_requests_get_clear_statuses(agents):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.MigrateRequest(pb.MigrateRequestRequest(request_id="x"), timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with grpc.insecure_channel(b.grpc_addr) as ch:
+        # a target that is neither a migration peer nor known to a controller (A has none)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.MigrateRequest(pb.MigrateRequestRequest(
+                request_id="x", target_address="127.0.0.1:1"), timeout=30))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not one of this agent's migration peers" in e.value.details()
+    with b.channel() as ch:
         stub = node_agent_pb2_grpc.NodeAgentStub(ch)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.ImportRequest(iter([pb.ImportChunk(kv=b"x")]), timeout=30))
@@ -293,3 +323,15 @@ def test_bad_requests_get_clear_statuses(agents):
             list(stub.ImportRequest(iter([pb.ImportChunk(header=hdr), pb.ImportChunk(kv=b"abc")]),
                                     timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_openai_api_key_is_enforced_through_remp_agent(agents):
+    # vLLM's --api-key, given to `remp agent` after --: no key or a wrong one is 401
+    a, _, _ = agents
+    body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": 2}
+    assert httpx.post(f"{a.http}/v1/completions", json=body, timeout=60).status_code == 401
+    assert httpx.post(f"{a.http}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.post(f"{a.http}/v1/completions", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text

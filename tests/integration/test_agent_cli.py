@@ -1,5 +1,6 @@
 """`remp agent` start-up validation: wrong settings exit at once with one clear line."""
 
+import os
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ import pytest
 
 def run_agent(*args, timeout=30):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "remp.cli", "agent", *args],
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "agent", *args],
                        capture_output=True, text=True, timeout=timeout)
     return r, time.monotonic() - t0
 
@@ -43,7 +44,7 @@ def test_valid_targets_listed_in_error(tiny_model):
 
 def test_make_model_cli_is_deterministic(tmp_path):
     for d in ("a", "b"):
-        subprocess.run([sys.executable, "-m", "remp.cli", "make-model", str(tmp_path / d)],
+        subprocess.run([sys.executable, "-m", "ops.cli", "make-model", str(tmp_path / d)],
                        check=True, capture_output=True)
     assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
 
@@ -58,3 +59,15 @@ def test_http_port_in_use_is_a_clear_error(tiny_model):
         r, _ = run_agent("--model", str(tiny_model), "--device", "cpu", "--http-port", str(port))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert f"cannot bind the HTTP API to 127.0.0.1:{port}" in r.stderr
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"REMP_AGENT_TLS_CLIENT_CERT": "/x.crt"}, "needs both tls_client_cert and tls_client_key"),
+    ({"REMP_AGENT_MIGRATION_PEERS": "10.0.0.2"}, "migration peer '10.0.0.2' is not host:port"),
+])
+def test_migration_link_settings_fail_fast(tiny_model, env, message):
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "agent", "--model", str(tiny_model),
+                        "--device", "cpu"], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, **env})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("remp: error: ") and message in r.stderr, r.stderr

@@ -15,8 +15,12 @@ import weakref
 import pytest
 import torch
 
-from node_agent import kv_migration as km
-from remp.kvplan import RankView, migration_plan
+from node_agent.kv import common as kcommon
+from node_agent.kv import executor_collective as kc
+from node_agent.kv import executor_direct as kd
+from node_agent.kv import migrate as km
+from node_agent.kv import transport as kt
+from remp.kvplan import RankView, layer_order, migration_plan
 from remp.topology import Topology
 
 L, H, NB, BS, D = 8, 8, 24, 2, 4  # layers, KV heads, pool blocks, block size, head size
@@ -62,7 +66,7 @@ def emulate(fn, old, new, ids, layout, *, direct=False, new_nb=NB, on_alloc=None
     a, b = RankView(old, L, H), RankView(new, L, H)
     plan = migration_plan(old, new, L, H)
     world = max(old.world_size, new.world_size)
-    hub = km.LocalTransport(timeout_s=30, direct=direct)
+    hub = kt.LocalTransport(timeout_s=30, direct=direct)
     old_layers = {r: {} for r in range(world)}
     for r in range(old.world_size):
         hs = a.heads_of(r)
@@ -136,7 +140,7 @@ def test_direct_exact_every_pair(old, new, layout):
 @pytest.mark.parametrize("ids_name", list(ID_SETS))
 def test_direct_both_torch_ways(monkeypatch, max_runs, ids_name):
     """One strided copy per joint run (single pass) and bounded index ops give the same bytes."""
-    monkeypatch.setattr(km, "RUN_COPY_MAX_RUNS", max_runs)
+    monkeypatch.setattr(kcommon, "RUN_COPY_MAX_RUNS", max_runs)
     ids = ID_SETS[ids_name]
     for layout in ("flash", "block"):
         for old, new in [(Topology(8, 1), Topology(1, 8)), (Topology(2, 2), Topology(4, 1))]:
@@ -156,7 +160,7 @@ def test_direct_peak_is_the_new_layer_alone():
             held = {ly: a.heads_per_rank for ly in a.layers_of(r)} if r < old.world_size else {}
             base = cur = sum(held.values())
             structural = 0
-            for ly in km.layer_order(old, new, L):
+            for ly in layer_order(old, new, L):
                 if any(s.dst == r for s in plan if s.layer == ly):
                     cur += b.heads_per_rank
                 structural = max(structural, cur - base)
@@ -185,7 +189,7 @@ def test_direct_injected_fault_and_path_choice():
     old, new = Topology(2, 2), Topology(4, 1)
     a, b = RankView(old, L, H), RankView(new, L, H)
     plan = migration_plan(old, new, L, H)
-    hub = km.LocalTransport(timeout_s=30, direct=True)
+    hub = kt.LocalTransport(timeout_s=30, direct=True)
     G = global_kv()
     results, errors = {}, []
 
@@ -196,7 +200,7 @@ def test_direct_injected_fault_and_path_choice():
         try:
             km.migrate_kv(r, mine, a, b, plan, torch.tensor(ODD_RUNS), alloc_for("flash", b.heads_per_rank),
                           hub.endpoint(r), fail_after_layers=3, new_layers=built)
-        except km.InjectedFault:
+        except kcommon.InjectedFault:
             results[r] = (sorted(built), sorted(mine))
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -209,13 +213,13 @@ def test_direct_injected_fault_and_path_choice():
     assert not errors and len(results) == 4
     assert not hub._shared
     for r, (built, left) in results.items():
-        assert len(left) == L // 2 - sum(1 for ly in km.layer_order(old, new, L)[:3] if ly in a.layers_of(r))
+        assert len(left) == L // 2 - sum(1 for ly in layer_order(old, new, L)[:3] if ly in a.layers_of(r))
     with pytest.raises(ValueError, match="peer access"):
         km.migrate_kv(0, {}, a, b, plan, torch.tensor([1]), alloc_for("flash", 2),
-                      km.LocalTransport().endpoint(0), path="direct")
+                      kt.LocalTransport().endpoint(0), path="direct")
     with pytest.raises(ValueError, match="path"):
         km.migrate_kv(0, {}, a, b, plan, torch.tensor([1]), alloc_for("flash", 2),
-                      km.LocalTransport().endpoint(0), path="fast")
+                      kt.LocalTransport().endpoint(0), path="fast")
     # path="staged" on a transport with peer access: the staged executor
     ids = ID_SETS["odd_runs"]
     G, b, res, _ = emulate(km.migrate_kv, old, new, ids, "flash", direct=True, path="staged")
@@ -237,7 +241,7 @@ def compacted(ids, seed):
 @pytest.mark.parametrize("layout", ["flash", "block"])
 def test_dst_block_ids_into_a_smaller_pool(mode, layout):
     """Block ids[i] of the old pool lands in block dst[i] of a new pool with fewer blocks."""
-    fn = km.migrate_kv_reference if mode == "reference" else km.migrate_kv
+    fn = kc.migrate_kv_reference if mode == "reference" else km.migrate_kv
     for n, (old, new) in enumerate(PAIRS[::2]):
         for ids_name in ("odd_runs", "unsorted", "one_run"):
             ids = ID_SETS[ids_name]
@@ -255,7 +259,7 @@ def test_dst_block_ids_into_a_smaller_pool(mode, layout):
 def test_dst_block_ids_runs_and_identity(monkeypatch, max_runs):
     """Joint runs (both id lists consecutive) copied per run or by index ops alike; an identity
     mapping is the default behaviour; a shift keeps runs whole."""
-    monkeypatch.setattr(km, "RUN_COPY_MAX_RUNS", max_runs)
+    monkeypatch.setattr(kcommon, "RUN_COPY_MAX_RUNS", max_runs)
     ids = ODD_RUNS
     for dst in ([i - 1 for i in ids], list(range(len(ids))), list(ids)):
         for direct in (True, False):
@@ -268,7 +272,7 @@ def test_dst_block_ids_validation():
     a, b = RankView(Topology(1, 1), L, H), RankView(Topology(1, 1), L, H)
     plan = migration_plan(Topology(1, 1), Topology(1, 1), L, H)
     old = {ly: to_layout(global_kv()[ly], "flash") for ly in range(L)}
-    ep = km.LocalTransport().endpoint(0)
+    ep = kt.LocalTransport().endpoint(0)
     with pytest.raises(ValueError, match="distinct"):
         km.migrate_kv(0, dict(old), a, b, plan, torch.tensor([1, 2]), alloc_for("flash", H), ep,
                       dst_block_ids=torch.tensor([0, 0]))
@@ -282,11 +286,11 @@ def test_dst_block_ids_validation():
 
 def test_joint_runs():
     ids, dst = [3, 4, 5, 9, 10, 11], [0, 1, 7, 8, 9, 2]
-    im = km._IdMap(torch.tensor(ids), torch.tensor(dst))
+    im = kcommon.IdMap(torch.tensor(ids), torch.tensor(dst))
     (rnd,) = im.rounds(torch.device("cpu"), 6)
     assert rnd.runs.count == 2 and rnd.druns.count == 3
     assert rnd.jruns.pairs() == [(0, 3, 0, 2), (2, 5, 7, 1), (3, 9, 8, 2), (5, 11, 2, 1)]
-    same = km._IdMap(torch.tensor(ids), torch.tensor(ids))
+    same = kcommon.IdMap(torch.tensor(ids), torch.tensor(ids))
     assert same.same and same.rounds(torch.device("cpu"), 4)[1].dcids is same.rounds(torch.device("cpu"), 4)[1].cids
 
 
@@ -298,16 +302,16 @@ def test_pull_plan_tables_for_both_layouts():
     size contiguous elements (offsets from the strides), block-first layout = one row."""
     src = to_layout(global_kv()[0], "flash")                                  # [NB, 8, 2, BS, D]
     dst = alloc_for("flash", 2)(0)                                            # [NB, 2, 2, BS, D]
-    w, so, do = km._rows(src, dst, 2)
+    w, so, do = kd._rows(src, dst, 2)
     assert w == 2 * D and so.numel() == do.numel() == 2 * BS
     st, dt = src.permute(2, 0, 3, 1, 4), dst.permute(2, 0, 3, 1, 4)  # back to [2, NB, BS, h, D]
     assert sorted(so.tolist()) == sorted(k * st.stride(0) + t * st.stride(2) for k in range(2) for t in range(BS))
     assert sorted(do.tolist()) == sorted(k * dt.stride(0) + t * dt.stride(2) for k in range(2) for t in range(BS))
-    w, so, do = km._rows(to_layout(global_kv()[0], "block"), alloc_for("block", 4)(0), 4)
+    w, so, do = kd._rows(to_layout(global_kv()[0], "block"), alloc_for("block", 4)(0), 4)
     assert w == 4 * BS * 2 * D and so.tolist() == do.tolist() == [0]
     big_s = torch.empty(2, 64, 16, 40, 128, dtype=DT).permute(1, 3, 0, 2, 4)  # 13B-shaped, TP1
     big_d = torch.empty(2, 64, 16, 5, 128, dtype=DT).permute(1, 3, 0, 2, 4)   # TP8 rank
-    plan = km._PullPlan([(0, big_s, 5, 0, 5)], big_d)
+    plan = kd._PullPlan([(0, big_s, 5, 0, 5)], big_d)
     assert plan.meta["VEC"] == 8 and plan.meta["CB"] == 128 and plan.meta["RB"] == 32  # 16-byte vectors
     row = plan.tab[0].tolist()
     assert row[:6] == [0, 5 * 128, 0, big_s.stride(0), big_d.stride(0), 5 * 128] and row[6] == 32
@@ -317,6 +321,6 @@ def test_pull_plan_tables_for_both_layouts():
         k, t = divmod(r, 16)
         off = row[1] + 3 * row[3] + plan.roff_s[r].item()
         assert off == (ref[3, :, k, t].reshape(-1).data_ptr() - big_s.data_ptr()) // 2
-    with pytest.raises(km._Unsuited):  # 2-byte rows: not worth a kernel (torch ops instead)
-        km._PullPlan([(0, torch.empty(4, 2, 3, dtype=DT).permute(0, 2, 1), 0, 0, 1)],
+    with pytest.raises(kd._Unsuited):  # 2-byte rows: not worth a kernel (torch ops instead)
+        kd._PullPlan([(0, torch.empty(4, 2, 3, dtype=DT).permute(0, 2, 1), 0, 0, 1)],
                      torch.empty(4, 1, 3, dtype=DT).permute(0, 2, 1))

@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from node_agent.kv_migration import InjectedFault, TorchDistTransport, migrate_kv
+from node_agent.kv.common import InjectedFault
+from node_agent.kv.migrate import migrate_kv
+from node_agent.kv.transport import TorchDistTransport
 from remp.kvplan import RankView, migration_plan
 from remp.topology import Topology
 from tests.helpers import free_port

@@ -11,8 +11,12 @@ import weakref
 import pytest
 import torch
 
-from node_agent import kv_migration as km
-from remp.kvplan import RankView, migration_plan
+from node_agent.kv import common as kcommon
+from node_agent.kv import executor_collective as kc
+from node_agent.kv import migrate as km
+from node_agent.kv import plan as kplan
+from node_agent.kv import transport as kt
+from remp.kvplan import RankView, layer_order, migration_plan
 from remp.topology import Topology
 
 L, H, NB, BS, D = 4, 8, 40, 4, 8  # layers, KV heads, pool blocks, block size, head size
@@ -47,7 +51,7 @@ def emulate(fn, old, new, ids, layout, on_alloc=None, **kw):
     a, b = RankView(old, L, H), RankView(new, L, H)
     plan = migration_plan(old, new, L, H)
     world = max(old.world_size, new.world_size)
-    hub = km.LocalTransport(timeout_s=30)
+    hub = kt.LocalTransport(timeout_s=30)
     old_layers = {r: {} for r in range(world)}
     for r in range(old.world_size):
         hs = a.heads_of(r)
@@ -114,7 +118,7 @@ def test_identical_to_reference_every_id_set(layout, ids_name):
         for limit in ("auto", None, 700, 1):
             G, b, res = emulate(km.migrate_kv, old, new, ids, layout, staging_limit_bytes=limit)
             check_exact(G, b, res, ids, layout)
-        _, _, ref = emulate(km.migrate_kv_reference, old, new, ids, layout)
+        _, _, ref = emulate(kc.migrate_kv_reference, old, new, ids, layout)
         for r in range(b.topo.world_size):
             for ly, t in ref[r][0].items():
                 assert torch.equal(bits(t), bits(res[r][0][ly]))  # dead blocks: NaN in both
@@ -124,7 +128,7 @@ def test_identical_to_reference_every_id_set(layout, ids_name):
 @pytest.mark.parametrize("layout", ["block", "flash"])
 def test_both_gather_paths(monkeypatch, max_runs, layout):
     """Per-run copies (any number of runs) and index ops (even for one run) give the same bytes."""
-    monkeypatch.setattr(km, "RUN_COPY_MAX_RUNS", max_runs)
+    monkeypatch.setattr(kcommon, "RUN_COPY_MAX_RUNS", max_runs)
     for ids in (ID_SETS["gaps"], ID_SETS["two_runs"], ID_SETS["single"], ID_SETS["all"]):
         for old, new in PAIRS[:4]:
             G, b, res = emulate(km.migrate_kv, old, new, ids, layout, staging_limit_bytes=900)
@@ -169,7 +173,7 @@ def test_default_staging_keeps_one_layer_plus_10pct(old, new):
     _, b, res = emulate(km.migrate_kv, old, new, ids, "flash")
     a = RankView(old, L, H)
     plan = migration_plan(old, new, L, H)
-    order = km.layer_order(old, new, L)
+    order = layer_order(old, new, L)
     for r in range(b.topo.world_size):
         held = {ly: a.heads_per_rank for ly in a.layers_of(r)} if r < old.world_size else {}
         base, cur, structural = sum(held.values()), sum(held.values()), 0
@@ -178,7 +182,7 @@ def test_default_staging_keeps_one_layer_plus_10pct(old, new):
                 cur += b.heads_per_rank
             structural = max(structural, cur - base)
             cur -= held.pop(ly, 0)
-        slack = 16 * km._ALIGN  # buffer alignment
+        slack = 16 * kc._ALIGN  # buffer alignment
         stats = res[r][1]
         bound = (max(structural, b.heads_per_rank) - b.heads_per_rank + 1.1 * H) * head_layer
         assert stats.peak_extra_bytes <= bound + slack, (r, structural, stats.as_dict())
@@ -189,39 +193,39 @@ def test_unlimited_staging_is_one_round_and_default_bounds_it():
     sl = [s for s in plan if s.layer == 0]
     bph = BS * 2 * D * 2
     layer_bytes = NB * H * bph
-    steps = {km._chunk_blocks(r, sl, H, NB, layer_bytes, bph, "auto", NB)[0] for r in range(8)}
+    steps = {kplan.chunk_blocks(r, sl, H, NB, layer_bytes, bph, "auto", NB)[0] for r in range(8)}
     assert len(steps) == 1  # every rank splits the layer the same way
     step = steps.pop()
     assert 1 <= step < NB  # the TP1 receiver has a whole new layer: staging only 10 % → rounds
-    assert km._chunk_blocks(0, sl, H, NB, layer_bytes, bph, None, NB)[0] == NB
+    assert kplan.chunk_blocks(0, sl, H, NB, layer_bytes, bph, None, NB)[0] == NB
     # a split (TP1 → TP8) needs no rounds under the default bound
     plan = migration_plan(Topology(1, 4), Topology(8, 1), L, H)
     sl = [s for s in plan if s.layer == 0]
-    assert {km._chunk_blocks(r, sl, 1, NB, layer_bytes, bph, "auto", NB)[0] for r in range(8)} == {NB}
+    assert {kplan.chunk_blocks(r, sl, 1, NB, layer_bytes, bph, "auto", NB)[0] for r in range(8)} == {NB}
 
 
 def test_runs_of_consecutive_ids():
     ids = [3, 4, 5, 9, 10, 2, 7, 8, 8]
-    starts = km._run_starts(torch.tensor(ids))
+    starts = kcommon.run_starts(torch.tensor(ids))
     assert starts == [3, 5, 6, 8]
-    r = km._Runs(ids, starts, 0, len(ids))
+    r = kcommon.Runs(ids, starts, 0, len(ids))
     assert r.count == 5
     assert r.list() == [(0, 3, 3), (3, 9, 2), (5, 2, 1), (6, 7, 2), (8, 8, 1)]
-    r = km._Runs(ids, starts, 1, 4)  # a chunk cuts runs
+    r = kcommon.Runs(ids, starts, 1, 4)  # a chunk cuts runs
     assert r.list() == [(0, 4, 2), (2, 9, 1)] and r.count == 2
-    assert km._Runs(ids, starts, 4, 4).count == 0
-    assert km._run_starts(torch.tensor([5])) == [] and km._run_starts(torch.tensor([], dtype=torch.long)) == []
+    assert kcommon.Runs(ids, starts, 4, 4).count == 0
+    assert kcommon.run_starts(torch.tensor([5])) == [] and kcommon.run_starts(torch.tensor([], dtype=torch.long)) == []
 
 
 def test_widen_is_a_bit_exact_reinterpretation():
     x = global_kv()[0]  # [NB, H, BS, 2D] bf16
     st = x.reshape(NB, H, BS, 2, D).permute(3, 0, 2, 1, 4).contiguous()
     ex = st.permute(1, 3, 0, 2, 4)
-    perm = km._memory_order(ex)
+    perm = kcommon.memory_order(ex)
     assert ex.permute(perm).is_contiguous()
-    sv = km._SliceView(ex, perm, 2, 3)
+    sv = kcommon.SliceView(ex, perm, 2, 3)
     assert sv.m.dtype == torch.complex128  # D = 8 bf16 = 16 bytes
     assert torch.equal(sv.m.contiguous().view(torch.int16), st[:, :, :, 2:5].contiguous().view(torch.int16))
     odd = torch.zeros(4, 3, dtype=DT)  # 6-byte rows: 2-byte elements at most
-    assert km._widen(odd).dtype == torch.int16 or km._widen(odd).dtype == DT
-    assert km._widen(odd[:, 1:]).element_size() <= 4
+    assert kcommon.widen(odd).dtype == torch.int16 or kcommon.widen(odd).dtype == DT
+    assert kcommon.widen(odd[:, 1:]).element_size() <= 4

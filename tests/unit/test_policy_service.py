@@ -16,21 +16,23 @@ import pytest
 from policy.config import PolicySettings
 from policy.controller_client import GrpcController
 from policy.decide import PolicyConfig
+from policy.scale import ScaleConfig
 from policy.profiler import (SweepConfig, Timing, TopologyResult, build_profile, percentile,
                              point_from)
 from policy.profiles import Profile
 from policy.service import PolicyService, Sample, WindowAggregator
 from policy.store import RedisDecisionStore
-from remp.agentproc import ControllerProcess, free_port
+from remp.auth import Credentials, Role, aio_channel
+from devstack.agentproc import ControllerProcess, free_port
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.errors import InvalidArgument, NotFound, Unavailable
 from remp.policy.v1 import policy_pb2, policy_pb2_grpc
 from remp.redisproc import RedisServer
 from remp.topology import Topology
+from tests.policy_profiles import two_gpu_profile
 
-TOKEN = "pol-s3cret"
-MD = (("authorization", f"Bearer {TOKEN}"),)
+MD = None  # ctl.stub(ch) sends the role each method needs (remp.auth)
 TP2PP1, TP1PP2 = Topology(2, 1), Topology(1, 2)
 W = 2.0  # window seconds in these tests
 
@@ -50,6 +52,11 @@ def flip_profile() -> Profile:
             "TP1PP2": {"capacity_rps": 20.0, "points": pts([0, 10, 19], 90, 180)},
             "TP2PP1": {"capacity_rps": 1.0, "points": pts([0, 0.5, 0.9], 40, 60)},
         }})
+
+
+def world_profile() -> Profile:
+    """Synthetic (not measured): one GPU (SLO capacity ≈1.5 req/s) or two (≈3 and 3.3)."""
+    return two_gpu_profile("world-test")
 
 
 # ------------------------------------------------------------------------------ pure parts
@@ -111,7 +118,7 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def ctl(redis_server, artifacts_dir):
-    c = ControllerProcess(redis_server.url, log_dir=artifacts_dir, token=TOKEN,
+    c = ControllerProcess(redis_server.url, log_dir=artifacts_dir,
                           lease_seconds=120.0, name="ctl-policy-unit")
     with c:
         yield c
@@ -161,7 +168,8 @@ def service(ctl, redis_server, prefix: str | None = None, **kw) -> PolicyService
     cfg = PolicyConfig(horizon_s=5 * W, min_dwell_s=0.0, max_switches_per_day=100)
     store = RedisDecisionStore(redis_server.url, prefix or f"remp:policy:{uuid.uuid4().hex[:6]}:")
     kw.setdefault("default_mode", "advisory")
-    return PolicyService(flip_profile(), GrpcController(ctl.addr, TOKEN, timeout=5), config=cfg,
+    kw.setdefault("objective", "goodput")  # these tests pin the SLO-goodput core's behaviour
+    return PolicyService(flip_profile(), GrpcController(ctl.addr, Credentials.load().only(Role.POLICY), timeout=5), config=cfg,
                          window_s=W, store=store, **kw)
 
 
@@ -214,6 +222,36 @@ async def test_advisory_records_a_recommendation_and_never_switches(ctl, cstub, 
         assert not switches(cstub, node)
         logged = [r.outcome for r in (await svc.list_decisions(node, 50, ""))[0]]
         assert logged == ["recommended TP2PP1", "recommended TP1PP2", ""]
+    finally:
+        await close(svc)
+
+
+async def test_gpu_hours_advises_fewer_gpus_with_saving_risk_and_profile(ctl, cstub, redis_server):
+    node = register(cstub)
+    store = RedisDecisionStore(redis_server.url, f"remp:policy:{uuid.uuid4().hex[:6]}:")
+    svc = PolicyService(world_profile(), GrpcController(ctl.addr, Credentials.load().only(
+        Role.POLICY), timeout=5), config=PolicyConfig(horizon_s=10 * W), window_s=W, store=store,
+        objective="gpu-hours", scale=ScaleConfig(horizon_s=10 * W, up_lookahead_s=3 * W,
+                                                 recent_s=3 * W, peak_s=6 * W))
+    await svc.start()
+    try:
+        t = push(cstub, node, 0.3, 4)
+        (first,) = mine(await svc.tick(t), node)  # too few windows seen to release a GPU
+        assert first.decision.reason == "hold-warmup" and first.impact.gpus == 2
+        t = push(cstub, node, 0.3, 12)
+        (rec,) = mine(await svc.tick(t), node)
+        d, imp = rec.decision, rec.impact
+        assert d.switch and d.reason == "scale-down" and d.recommended == Topology(1, 1), d.text
+        assert (imp.gpus, imp.host_gpus, imp.released_gpus) == (1, 2, (1,))
+        assert imp.expected_saving_gpu_hours > 0 and imp.expected_slo_loss <= 0.008
+        assert rec.outcome == "recommended TP1PP1"
+        st = state(cstub, node)  # the controller took the smaller world size as a candidate
+        assert st.recommendation.startswith("TP1PP1") and rec.id in st.recommendation
+        assert "releases GPU 1" in st.recommendation and "world-test" in st.recommendation
+        assert not switches(cstub, node)
+        again = PolicyService(world_profile(), svc.controller, window_s=W, store=store)
+        await again.start()
+        assert {x.id: x for x in again.decisions}[rec.id].impact == imp
     finally:
         await close(svc)
 
@@ -349,7 +387,7 @@ async def test_grpc_service_statuses_and_unreachable_controller(ctl, cstub, redi
 
     node = register(cstub)
     push(cstub, node, 4.0, 12)
-    s = PolicySettings(controller=ctl.addr, token=TOKEN, port=0, tick_seconds=0.2,
+    s = PolicySettings(controller=ctl.addr, port=0, tick_seconds=0.2,
                        window_seconds=W, horizon_seconds=5 * W, min_dwell_seconds=0,
                        redis_url=redis_server.url, redis_prefix=f"remp:policy:{node}:",
                        profile="h200x8-analytic")
@@ -357,7 +395,20 @@ async def test_grpc_service_statuses_and_unreachable_controller(ctl, cstub, redi
     task = asyncio.create_task(server.serve(s, ready, stop, bound))
     await asyncio.wait_for(ready.wait(), 30)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{bound[0]}") as ch:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{bound[0]}") as raw:
+            # SetMode needs the operator: none → UNAUTHENTICATED, the policy's own → DENIED
+            anon = policy_pb2_grpc.PolicyStub(raw)
+            for md, code in [(None, "UNAUTHENTICATED"),
+                             (ctl.metadata("policy"), "PERMISSION_DENIED"),
+                             ((("authorization", "Bearer wrong-token-wrong-token"),),
+                              "UNAUTHENTICATED")]:
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await anon.SetMode(policy_pb2.SetModeRequest(mode=policy_pb2.MODE_OFF),
+                                       metadata=md, timeout=5)
+                assert ei.value.code().name == code, ei.value.details()
+            assert (await anon.ListDecisions(policy_pb2.ListDecisionsRequest(), timeout=5)
+                    ) is not None  # reads stay open
+        async with aio_channel(f"127.0.0.1:{bound[0]}", Credentials.load()) as ch:
             stub = policy_pb2_grpc.PolicyStub(ch)
             f = await stub.GetForecast(policy_pb2.GetForecastRequest(node=node), timeout=5)
             assert f.node == node and len(f.points) == 5
@@ -395,7 +446,7 @@ async def test_grpc_service_statuses_and_unreachable_controller(ctl, cstub, redi
     task = asyncio.create_task(server.serve(dead, ready, stop, bound))
     await asyncio.wait_for(ready.wait(), 30)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{bound[0]}") as ch:
+        async with aio_channel(f"127.0.0.1:{bound[0]}", Credentials.load()) as ch:
             stub = policy_pb2_grpc.PolicyStub(ch)
             for _ in range(2):
                 with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -411,7 +462,7 @@ async def test_grpc_service_statuses_and_unreachable_controller(ctl, cstub, redi
 
 async def test_controller_unreachable_in_a_tick_is_not_fatal():
     svc = PolicyService(flip_profile(), GrpcController(f"127.0.0.1:{free_port()}", timeout=1.0),
-                        window_s=W)
+                        window_s=W, objective="goodput")
     try:
         assert await svc.tick() == [] and not svc.controller_ok
         with pytest.raises(Unavailable):

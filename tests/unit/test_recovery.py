@@ -431,7 +431,7 @@ def test_blocks_for():
 
 
 def test_profile_lengths_fit_the_engine():
-    from remp.prefill import lengths_for
+    from ops.prefill import lengths_for
 
     assert lengths_for((), 512) == [16, 32, 64, 128, 256, 511]
     assert lengths_for((), 257) == [16, 32, 64, 128, 256]
@@ -446,7 +446,7 @@ def test_profile_lengths_fit_the_engine():
 def test_profile_prompts_histograms_and_kv_bytes():
     import random
 
-    from remp.prefill import histogram_sum_count, kv_bytes_per_token, prompt_ids
+    from ops.prefill import histogram_sum_count, kv_bytes_per_token, prompt_ids
 
     ids = prompt_ids(300, 2048, random.Random(1))
     assert len(ids) == 300 and all(3 <= i < 2048 for i in ids)
@@ -467,7 +467,7 @@ def test_profile_prompts_histograms_and_kv_bytes():
 
 
 def test_profile_builds_the_table_from_samples():
-    from remp.prefill import Sample, build_table, summary_lines
+    from ops.prefill import Sample, build_table, summary_lines
 
     samples = [Sample(16, 0.050, 0.010), Sample(16, 0.048, 0.012), Sample(16, 0.300, 0.011),
                Sample(64, 0.052, 0.020), Sample(64, 0.051, 0.009), Sample(64, 0.049, 0.021),

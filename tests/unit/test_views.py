@@ -1,6 +1,6 @@
-"""remp/views.py: proto → JSON views and the CLI's text (pure)."""
+"""dashboard/views.py: proto → JSON views and the CLI's text (pure)."""
 
-from remp import views
+from dashboard import views
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.policy.v1 import policy_pb2

@@ -82,18 +82,20 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node", "topology", "engine_status", "traffic", "inflight")
+    __slots__ = ("node", "topology", "engine_status", "traffic", "inflight", "topology_epoch")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node: str
     topology: _types_pb2.Topology
     engine_status: _types_pb2.EngineStatus
     traffic: _types_pb2.TrafficSample
     inflight: _containers.RepeatedCompositeFieldContainer[InflightRequest]
-    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ..., inflight: _Optional[_Iterable[_Union[InflightRequest, _Mapping]]] = ...) -> None: ...
+    topology_epoch: int
+    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ..., inflight: _Optional[_Iterable[_Union[InflightRequest, _Mapping]]] = ..., topology_epoch: _Optional[int] = ...) -> None: ...
 
 class InflightRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos")
@@ -112,18 +114,16 @@ class InflightRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DrainNodeRequest(_message.Message):
-    __slots__ = ("node", "target_node", "slo_budget_seconds", "reason", "test_start_when_running")
+    __slots__ = ("node", "target_node", "slo_budget_seconds", "reason")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
     SLO_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    TEST_START_WHEN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     node: str
     target_node: str
     slo_budget_seconds: float
     reason: str
-    test_start_when_running: int
-    def __init__(self, node: _Optional[str] = ..., target_node: _Optional[str] = ..., slo_budget_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., test_start_when_running: _Optional[int] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., target_node: _Optional[str] = ..., slo_budget_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DrainNodeResponse(_message.Message):
     __slots__ = ("decisions",)
@@ -290,18 +290,16 @@ class PlanResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., from_topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., to_topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., shard_loads: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_bytes_total: _Optional[int] = ..., weight_bytes_total: _Optional[int] = ..., predicted: _Optional[_Iterable[_Union[_types_pb2.PhaseTiming, _Mapping]]] = ..., predicted_total_seconds: _Optional[float] = ..., requests_to_preempt: _Optional[int] = ..., noop: _Optional[bool] = ...) -> None: ...
 
 class ReconfigureRequest(_message.Message):
-    __slots__ = ("node", "target", "request_id", "reason", "test_start_when_running")
+    __slots__ = ("node", "target", "request_id", "reason")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    TEST_START_WHEN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     node: str
     target: _types_pb2.Topology
     request_id: str
     reason: str
-    test_start_when_running: int
-    def __init__(self, node: _Optional[str] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., test_start_when_running: _Optional[int] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReconfigureResponse(_message.Message):
     __slots__ = ("switch_id", "noop", "duplicate")

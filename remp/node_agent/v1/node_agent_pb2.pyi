@@ -58,24 +58,20 @@ class ListRequestsResponse(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class MigrateRequestRequest(_message.Message):
-    __slots__ = ("request_id", "target_address", "mode", "bandwidth_limit_bps", "slo_budget_seconds", "target_node", "test_poison_kv", "test_wait_output_tokens")
+    __slots__ = ("request_id", "target_address", "mode", "bandwidth_limit_bps", "slo_budget_seconds", "target_node")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_LIMIT_BPS_FIELD_NUMBER: _ClassVar[int]
     SLO_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
-    TEST_POISON_KV_FIELD_NUMBER: _ClassVar[int]
-    TEST_WAIT_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     target_address: str
     mode: RecoveryMode
     bandwidth_limit_bps: float
     slo_budget_seconds: float
     target_node: str
-    test_poison_kv: bool
-    test_wait_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ..., mode: _Optional[_Union[RecoveryMode, str]] = ..., bandwidth_limit_bps: _Optional[float] = ..., slo_budget_seconds: _Optional[float] = ..., target_node: _Optional[str] = ..., test_poison_kv: _Optional[bool] = ..., test_wait_output_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ..., mode: _Optional[_Union[RecoveryMode, str]] = ..., bandwidth_limit_bps: _Optional[float] = ..., slo_budget_seconds: _Optional[float] = ..., target_node: _Optional[str] = ...) -> None: ...
 
 class MigrateRequestEvent(_message.Message):
     __slots__ = ("decision", "token_ids", "text", "finished", "finish_reason", "transfer_seconds", "export_seconds", "receive_seconds")
@@ -192,24 +188,18 @@ class EngineInfo(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., engine_core_pid: _Optional[int] = ...) -> None: ...
 
 class ExecuteSwitchRequest(_message.Message):
-    __slots__ = ("target", "switch_id", "epoch", "reason", "sequential_data_path", "fail_at_phase", "test_skip_kv_migration", "test_start_when_running")
+    __slots__ = ("target", "switch_id", "epoch", "reason", "sequential_data_path")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SEQUENTIAL_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
-    FAIL_AT_PHASE_FIELD_NUMBER: _ClassVar[int]
-    TEST_SKIP_KV_MIGRATION_FIELD_NUMBER: _ClassVar[int]
-    TEST_START_WHEN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     target: _types_pb2.Topology
     switch_id: str
     epoch: int
     reason: str
     sequential_data_path: bool
-    fail_at_phase: _types_pb2.Phase
-    test_skip_kv_migration: bool
-    test_start_when_running: int
-    def __init__(self, target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., sequential_data_path: _Optional[bool] = ..., fail_at_phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., test_skip_kv_migration: _Optional[bool] = ..., test_start_when_running: _Optional[int] = ...) -> None: ...
+    def __init__(self, target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., sequential_data_path: _Optional[bool] = ...) -> None: ...
 
 class SwitchEvent(_message.Message):
     __slots__ = ("switch_id", "phase", "elapsed_seconds", "record", "error", "detail")

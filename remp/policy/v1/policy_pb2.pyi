@@ -63,19 +63,25 @@ class GetRecommendationRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
-    __slots__ = ("topology", "expected_goodput", "switch_cost", "score")
+    __slots__ = ("topology", "expected_goodput", "switch_cost", "score", "expected_slo_loss", "slo_capacity_rps", "gpus")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
     SWITCH_COST_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SLO_LOSS_FIELD_NUMBER: _ClassVar[int]
+    SLO_CAPACITY_RPS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
     topology: _types_pb2.Topology
     expected_goodput: float
     switch_cost: float
     score: float
-    def __init__(self, topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., expected_goodput: _Optional[float] = ..., switch_cost: _Optional[float] = ..., score: _Optional[float] = ...) -> None: ...
+    expected_slo_loss: float
+    slo_capacity_rps: float
+    gpus: int
+    def __init__(self, topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., expected_goodput: _Optional[float] = ..., switch_cost: _Optional[float] = ..., score: _Optional[float] = ..., expected_slo_loss: _Optional[float] = ..., slo_capacity_rps: _Optional[float] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class Recommendation(_message.Message):
-    __slots__ = ("node", "current", "recommended", "switch", "reason", "scores", "at")
+    __slots__ = ("node", "current", "recommended", "switch", "reason", "scores", "at", "objective", "profile", "expected_saving_gpu_hours", "saving_horizon_seconds", "expected_slo_loss", "overload_risk", "gpus", "host_gpus", "released_gpus", "error_budget_requests", "expected_tpot_saving_ms", "forecaster", "forecast_rps", "decision_id")
     NODE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDED_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +89,20 @@ class Recommendation(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SAVING_GPU_HOURS_FIELD_NUMBER: _ClassVar[int]
+    SAVING_HORIZON_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SLO_LOSS_FIELD_NUMBER: _ClassVar[int]
+    OVERLOAD_RISK_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    HOST_GPUS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_GPUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_BUDGET_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TPOT_SAVING_MS_FIELD_NUMBER: _ClassVar[int]
+    FORECASTER_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_RPS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     node: str
     current: _types_pb2.Topology
     recommended: _types_pb2.Topology
@@ -90,7 +110,21 @@ class Recommendation(_message.Message):
     reason: str
     scores: _containers.RepeatedCompositeFieldContainer[CandidateScore]
     at: _timestamp_pb2.Timestamp
-    def __init__(self, node: _Optional[str] = ..., current: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., recommended: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch: _Optional[bool] = ..., reason: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    objective: str
+    profile: str
+    expected_saving_gpu_hours: float
+    saving_horizon_seconds: float
+    expected_slo_loss: float
+    overload_risk: float
+    gpus: int
+    host_gpus: int
+    released_gpus: _containers.RepeatedScalarFieldContainer[int]
+    error_budget_requests: float
+    expected_tpot_saving_ms: float
+    forecaster: str
+    forecast_rps: float
+    decision_id: str
+    def __init__(self, node: _Optional[str] = ..., current: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., recommended: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch: _Optional[bool] = ..., reason: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., objective: _Optional[str] = ..., profile: _Optional[str] = ..., expected_saving_gpu_hours: _Optional[float] = ..., saving_horizon_seconds: _Optional[float] = ..., expected_slo_loss: _Optional[float] = ..., overload_risk: _Optional[float] = ..., gpus: _Optional[int] = ..., host_gpus: _Optional[int] = ..., released_gpus: _Optional[_Iterable[int]] = ..., error_budget_requests: _Optional[float] = ..., expected_tpot_saving_ms: _Optional[float] = ..., forecaster: _Optional[str] = ..., forecast_rps: _Optional[float] = ..., decision_id: _Optional[str] = ...) -> None: ...
 
 class SetModeRequest(_message.Message):
     __slots__ = ("mode", "node")

@@ -1,0 +1,282 @@
+"""Plain-JSON views of the controller's and the policy's messages, shared by the ``remp`` CLI and
+the dashboard (pure: protos in, dicts and strings out)."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from datetime import datetime, timezone
+
+from remp.common.v1 import types_pb2
+from remp.controller.v1 import controller_pb2
+from remp.policy.v1 import policy_pb2
+
+# The phases of a switch as an operator follows them (remp/transaction.py's forward path).
+FORWARD_PHASES = ("QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED", "MIGRATE_KV", "RELOAD_SHARDS",
+                  "REBINDING", "SERVING_NEW")
+_REC_TARGET = re.compile(r"^\s*(TP\d+PP\d+)\b")
+
+
+def _enum(enum, value: int, prefix: str) -> str:
+    try:
+        return enum.Name(value).removeprefix(prefix)
+    except ValueError:
+        return str(value)
+
+
+def phase_name(p: int) -> str:
+    return _enum(types_pb2.Phase, p, "PHASE_")
+
+
+def outcome_name(o: int) -> str:
+    return _enum(types_pb2.SwitchOutcome, o, "SWITCH_OUTCOME_").lower()
+
+
+def health_name(h: int) -> str:
+    return _enum(controller_pb2.NodeHealth, h, "NODE_HEALTH_").lower()
+
+
+def event_type_name(t: int) -> str:
+    return _enum(controller_pb2.EventType, t, "EVENT_TYPE_").lower()
+
+
+def mode_name(m: int) -> str:
+    return _enum(policy_pb2.Mode, m, "MODE_").lower()
+
+
+def topo(t) -> str:
+    return f"TP{t.tp}PP{t.pp}" if t.tp and t.pp else ""
+
+
+def _ts(ts) -> float | None:
+    n = ts.ToNanoseconds()
+    return n / 1e9 if n else None
+
+
+def recommended_target(recommendation: str) -> str:
+    """The topology a controller-recorded recommendation names ("TP1PP2: reason" → TP1PP2)."""
+    m = _REC_TARGET.match(recommendation or "")
+    return m.group(1) if m else ""
+
+
+def switch_view(r: types_pb2.SwitchRecord) -> dict:
+    return {
+        "switch_id": r.switch_id, "node": r.node, "from": topo(r.from_topology),
+        "to": topo(r.to_topology), "outcome": outcome_name(r.outcome), "phase": phase_name(r.phase),
+        "phases": [{"phase": phase_name(p.phase), "seconds": p.seconds,
+                    "started_at": _ts(p.started_at)} for p in r.phase_timings],
+        "kv_bytes_moved": r.kv_bytes_moved, "weight_bytes_loaded": r.weight_bytes_loaded,
+        "peak_extra_mem_bytes": r.peak_extra_mem_bytes, "layer_kv_bytes": r.layer_kv_bytes,
+        "requests_held": r.requests_held, "requests_preempted": r.requests_preempted,
+        "requests_in_flight": r.requests_in_flight, "downtime_s": r.downtime_seconds,
+        "total_s": r.total_seconds,
+        "error": ({"code": r.error.code, "message": r.error.message,
+                   "phase": phase_name(r.error.phase)} if r.error.code or r.error.message
+                  else None),
+        "started_at": _ts(r.started_at), "finished_at": _ts(r.finished_at),
+        "request_id": r.request_id, "reason": r.reason, "epoch": r.epoch,
+        "overlapped": r.overlapped,
+    }
+
+
+def node_view(n: controller_pb2.NodeState) -> dict:
+    cur = n.current_switch if n.current_switch.switch_id else None
+    return {
+        "node": n.node, "agent_address": n.agent_address, "http_address": n.http_address,
+        "desired": topo(n.desired), "observed": topo(n.observed),
+        "candidates": [topo(c) for c in n.candidates], "health": health_name(n.health),
+        "lease_age_s": n.lease_age_seconds, "epoch": n.epoch, "stale": n.stale,
+        "recommendation": n.recommendation,
+        "recommended_target": recommended_target(n.recommendation),
+        "current_switch": switch_view(cur) if cur is not None else None,
+        "host": {"hostname": n.host.hostname, "device_type": n.host.device_type,
+                 "device_count": n.host.device_count},
+        "model": {"path": n.model.path, "architecture": n.model.architecture,
+                  "dtype": n.model.dtype, "num_layers": n.model.num_layers},
+    }
+
+
+def event_view(e: controller_pb2.Event) -> dict:
+    return {
+        "id": e.id, "type": event_type_name(e.type), "node": e.node, "switch_id": e.switch_id,
+        "phase": phase_name(e.phase) if e.phase else "", "at": _ts(e.at), "detail": e.detail,
+        "record": switch_view(e.record) if e.HasField("record") and e.record.switch_id else None,
+    }
+
+
+def plan_view(p: controller_pb2.PlanResponse) -> dict:
+    return {
+        "node": p.node, "from": topo(p.from_topology), "to": topo(p.to_topology), "noop": p.noop,
+        "kv_bytes_total": p.kv_bytes_total, "weight_bytes_total": p.weight_bytes_total,
+        "predicted": {phase_name(x.phase): x.seconds for x in p.predicted},
+        "predicted_total_s": p.predicted_total_seconds,
+        "requests_to_preempt": p.requests_to_preempt,
+        "transfers": [{"src_rank": t.src_rank, "dst_rank": t.dst_rank, "layers": list(t.layers),
+                       "kv_heads": [t.kv_head_start, t.kv_head_end], "kv_bytes": t.kv_bytes}
+                      for t in p.transfers],
+        "shard_loads": [{"rank": s.rank, "layers": list(s.layers), "tp_rank": s.tp_rank,
+                         "tp_size": s.tp_size, "weight_bytes": s.weight_bytes}
+                        for s in p.shard_loads],
+    }
+
+
+def forecast_view(f: policy_pb2.Forecast) -> dict:
+    return {
+        "node": f.node, "forecaster": f.forecaster, "backtest_error": f.backtest_mae,
+        "points": [{"t": _ts(p.at), "mean": p.requests_per_second, "lower": p.lower,
+                    "upper": p.upper} for p in f.points],
+        "observed": [{"t": _ts(s.at), "window_s": s.window_seconds,
+                      "rate": s.requests / s.window_seconds if s.window_seconds > 0 else 0.0,
+                      "requests": s.requests, "running": s.running, "waiting": s.waiting}
+                     for s in f.observed],
+    }
+
+
+def _num(x: float) -> float | None:
+    """JSON has no NaN: a quantity not counted is null."""
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def impact_view(r: policy_pb2.Recommendation) -> dict:
+    """What a recommendation is expected to do (policy.proto Recommendation fields 8-21)."""
+    return {
+        "objective": r.objective, "profile": r.profile,
+        "expected_saving_gpu_hours": _num(r.expected_saving_gpu_hours),
+        "saving_horizon_s": _num(r.saving_horizon_seconds),
+        "expected_slo_loss": _num(r.expected_slo_loss), "overload_risk": _num(r.overload_risk),
+        "gpus": r.gpus, "host_gpus": r.host_gpus, "released_gpus": list(r.released_gpus),
+        "error_budget_requests": _num(r.error_budget_requests),
+        "expected_tpot_saving_ms": _num(r.expected_tpot_saving_ms),
+        "forecaster": r.forecaster, "forecast_rps": _num(r.forecast_rps),
+        "decision_id": r.decision_id,
+    }
+
+
+def recommendation_view(r: policy_pb2.Recommendation) -> dict:
+    return {"node": r.node, "current": topo(r.current), "recommended": topo(r.recommended),
+            "switch": r.switch, "reason": r.reason, "at": _ts(r.at), **impact_view(r)}
+
+
+def decision_view(d: policy_pb2.Decision) -> dict:
+    r = d.recommendation
+    return {
+        "id": d.id, "node": r.node, "mode": mode_name(d.mode), "switch_id": d.switch_id,
+        "outcome": d.outcome, "current": topo(r.current), "recommended": topo(r.recommended),
+        "switch": r.switch, "reason": r.reason, "at": _ts(r.at),
+        "scores": [{"topology": topo(c.topology), "expected_goodput": c.expected_goodput,
+                    "switch_cost": c.switch_cost, "score": c.score} for c in r.scores],
+        "impact": impact_view(r),
+    }
+
+
+def _world(t) -> int:
+    return t.tp * t.pp
+
+
+def host_gpus(n: controller_pb2.NodeState) -> int:
+    """The whole host, as the policy counts it: the largest candidate world size."""
+    return max([_world(c) for c in n.candidates] + [_world(n.observed)], default=0)
+
+
+def topology_timeline(switches, observed) -> list[tuple[float, int]]:
+    """[(from time, GPUs held)] of a node, from its switch records (any order) and its observed
+    topology: before the oldest successful switch, that switch's source; from each one's end, its
+    target. Switches that did not succeed changed nothing."""
+    done = sorted((r for r in switches
+                   if r.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED and _ts(r.finished_at)),
+                  key=lambda r: r.finished_at.ToNanoseconds())
+    if not done:
+        return [(-math.inf, _world(observed))]
+    line = [(-math.inf, _world(done[0].from_topology))]
+    line += [(_ts(r.finished_at), _world(r.to_topology)) for r in done]
+    return line
+
+
+def _held_at(line: list[tuple[float, int]], t: float) -> int:
+    g = line[0][1]
+    for since, gpus in line:
+        if since <= t:
+            g = gpus
+        else:
+            break
+    return g
+
+
+def _utc_day(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d")
+
+
+def gpu_hours_by_day(samples, switches, observed, host: int) -> list[dict]:
+    """GPU-hours a node held vs holding the whole host (``host`` GPUs), per UTC day, over the
+    heartbeat windows the controller retains (a window [at − window_seconds, at] counts with the
+    topology held at its middle; a window across midnight is split). Newest day last."""
+    line = topology_timeline(switches, observed)
+    days: dict[str, dict] = {}
+    for s in samples:
+        end, w = _ts(s.at), s.window_seconds
+        if end is None or not w > 0:
+            continue
+        gpus = _held_at(line, end - w / 2)
+        start = end - w
+        while start < end:
+            day = _utc_day(start)
+            midnight = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=timezone.utc).timestamp()
+            piece = min(end, midnight + 86400.0) - start
+            d = days.setdefault(day, {"day": day, "observed_s": 0.0, "gpu_s": 0.0, "host_gpu_s": 0.0})
+            d["observed_s"] += piece
+            d["gpu_s"] += gpus * piece
+            d["host_gpu_s"] += host * piece
+            start += piece
+    out = []
+    for day in sorted(days):
+        d = days[day]
+        held, whole = d["gpu_s"] / 3600.0, d["host_gpu_s"] / 3600.0
+        out.append({"day": day, "observed_hours": d["observed_s"] / 3600.0, "gpu_hours": held,
+                    "host_gpu_hours": whole, "saved_gpu_hours": whole - held,
+                    "fraction": held / whole if whole > 0 else None})
+    return out
+
+
+def saving_view(n: controller_pb2.NodeState, samples, switches, recommendation=None,
+                recommendation_error: str = "", now: float | None = None) -> dict:
+    """The saving of one node: GPU-hours held vs the whole host per day, and the latest
+    recommendation's expected saving (``recommendation``: a policy Recommendation, or None)."""
+    host = host_gpus(n)
+    return {
+        "node": n.node, "host_gpus": host, "gpus_now": _world(n.observed),
+        "observed": topo(n.observed),
+        "days": gpu_hours_by_day(samples, switches, n.observed, host),
+        "recommendation": recommendation_view(recommendation) if recommendation is not None else None,
+        "recommendation_error": recommendation_error,
+        "at": time.time() if now is None else now,
+    }
+
+
+# ------------------------------------------------------------------------------ text
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def phases_text(sw: dict) -> str:
+    return " · ".join(f"{p['phase']} {ms(p['seconds'])}" for p in sw["phases"])
+
+
+def switch_line(sw: dict) -> str:
+    line = (f"{sw['switch_id']}  {sw['node']}  {sw['from']}→{sw['to']}  {sw['outcome']}"
+            f"  total {ms(sw['total_s'])}  downtime {ms(sw['downtime_s'])}"
+            f"  kv {human_bytes(sw['kv_bytes_moved'])}  weights "
+            f"{human_bytes(sw['weight_bytes_loaded'])}  in-flight {sw['requests_in_flight']}"
+            f" held {sw['requests_held']} preempted {sw['requests_preempted']}")
+    if sw["error"]:
+        line += f"  error {sw['error']['code']}: {sw['error']['message']}"
+    return line

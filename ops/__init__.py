@@ -1,0 +1,1 @@
+"""The `remp` command line (operators' tools): parses, calls the services, prints."""

@@ -1,0 +1,427 @@
+"""Trace replay for the operator objectives (``gpu-hours``, ``latency``): every policy side by side
+(pure; the trace is an argument, time is virtual).
+
+Policies:
+- ``fixed-best``: the full host's topology with the highest SLO capacity, all the time.
+- ``fixed-cheapest``: the fewest-GPU single topology whose SLO goodput stays >= the attainment bar
+  x fixed-best's on every day of the trace (clairvoyant choice, then fixed).
+- ``reactive``: the cheapest topology whose SLO capacity >= 1.3 x the last window's load; up at
+  once, down only 1 h after the last switch and when 1.3 x the last hour's peak fits.
+- ``seasonal``: as reactive, but sized for max(last window, the same slot yesterday and the hour
+  after it) ("same slot yesterday"); reactive where no yesterday exists.
+- ``auto``: the forecaster chooser + ``policy.scale.decide_scale`` for the chosen objective; the
+  replay gives it what a live policy could count itself: the recent observed rates, the peak of
+  the last hour, yesterday's rate for the slot, and the day's remaining SLO error budget
+  (1 % x fixed-best's in-SLO requests over the last 24 h minus its own losses today).
+- ``oracle-lag1`` (only when asked for, a reference): the oracle's choices one window late.
+- ``oracle``: knows every window's load; per window the cheapest topology keeping >= (1 - 0.01)
+  of fixed-best's SLO goodput in that window, chosen by a DP that also pays each switch's cost
+  (lost requests x request value) so it does not flap for nothing; no dwell, no budget.
+  For ``latency``: the lowest-TPOT host topology covering the true load.
+
+Accounting, identical for every policy: rates scaled so the trace's peak window = ``load_scale`` x
+fixed-best's SLO capacity; a window w on topology T contributes g_T(λ_w)·W in-SLO requests (the
+profile's goodput curve; above capacity the excess is shed) and world(T)·W GPU-seconds; a switch
+into w subtracts its cost at λ_w (``Scorer.switch_cost``: arrivals during the downtime and
+in-flight requests pushed over the TPOT target). Missing windows count for nothing. Days are
+consecutive 24-h spans from the first window (a trace shorter than a day is one day);
+switches/day = switches / max(days, 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from policy.decide import DAY_S, PolicyState
+from policy.forecast import Chooser
+from policy.profiles import SLO, Profile
+from policy.scale import Band, CapacityTable, ScaleConfig, after, decide_scale, weighted_quantile
+from policy.traces import WindowSeries
+from remp.topology import Topology
+
+POLICIES = ("fixed-best", "fixed-cheapest", "reactive", "seasonal", "auto", "oracle")
+RESULT_KEYS = ("gpu_hours_fraction", "relative_attainment_min_day", "switches_per_day", "captured_share")
+
+
+@dataclass
+class Run:
+    name: str
+    topologies: list[Topology]
+    gpu_s: float = 0.0
+    good_req: float = 0.0
+    offered_req: float = 0.0
+    switches: int = 0
+    good_by_day: np.ndarray | None = None
+    tpot_ms: float = math.nan  # request-weighted mean TPOT p50
+    ttft_ms: float = math.nan
+    decisions: list | None = None
+
+
+@dataclass
+class SavingsEvaluation:
+    trace: str
+    profile: str
+    objective: str
+    window_s: float
+    windows: int
+    days: float
+    load_scale: float
+    scale: float
+    slo: SLO
+    fixed_best: Topology
+    runs: dict[str, Run]
+    attainment_bar: float
+    rates: np.ndarray | None = None  # the scaled load of every window (req/s; NaN: missing)
+    t_start_s: np.ndarray | None = None  # window starts
+    slo_capacity: dict[Topology, float] | None = None  # SLO capacity per topology (req/s)
+
+    def gpu_hours_fraction(self, name: str) -> float:
+        return self.runs[name].gpu_s / max(self.runs["fixed-best"].gpu_s, 1e-12)
+
+    def relative_attainment(self, name: str) -> tuple[float, float]:
+        """(whole trace, worst day) of in-SLO requests relative to fixed-best."""
+        base, run = self.runs["fixed-best"], self.runs[name]
+        whole = run.good_req / base.good_req if base.good_req > 0 else 1.0
+        days = [a / b for a, b in zip(run.good_by_day, base.good_by_day) if b > 0]
+        return whole, (min(days) if days else 1.0)
+
+    def captured_share(self) -> float | None:
+        if "oracle" not in self.runs or "auto" not in self.runs:
+            return None
+        o = 1.0 - self.gpu_hours_fraction("oracle")
+        if self.objective != "gpu-hours" or o <= 1e-9:
+            return None
+        return (1.0 - self.gpu_hours_fraction("auto")) / o
+
+    def result(self) -> dict:
+        names = list(self.runs)
+        out = {
+            "gpu_hours_fraction": {n: round(self.gpu_hours_fraction(n), 6) for n in names},
+            "relative_attainment_min_day": {n: round(self.relative_attainment(n)[1], 6) for n in names},
+            "switches_per_day": {n: round(self.runs[n].switches / max(self.days, 1.0), 4) for n in names},
+            "captured_share": (None if self.captured_share() is None else round(self.captured_share(), 6)),
+            "relative_attainment_mean": {n: round(self.relative_attainment(n)[0], 6) for n in names},
+            "mean_tpot_ms": {n: round(self.runs[n].tpot_ms, 3) for n in names},
+            "mean_ttft_ms": {n: round(self.runs[n].ttft_ms, 3) for n in names},
+        }
+        return out
+
+
+# ---- forecasts, computed once per trace (rates normalised to peak 100, so scale-free) ----
+
+
+@functools.lru_cache(maxsize=32)
+def _bands_cached(key: str, window_s: float, horizon: int, quantile: float,
+                  t_bytes: bytes, r_bytes: bytes):
+    t = np.frombuffer(t_bytes)
+    r = np.frombuffer(r_bytes)
+    n = len(r)
+    ch = Chooser(window_s, horizon)
+    mean = np.full((n, horizon), np.nan)
+    upper = np.full((n, horizon), np.nan)
+    scen = []
+    names = []
+    for w in range(n):
+        if w > 0:
+            ch.update(float(t[w - 1]), float(r[w - 1]))
+        fc = ch.forecast(horizon)
+        sc = np.maximum(np.asarray(fc.scenarios, dtype=float), 0.0)
+        mean[w] = fc.mean[:horizon]
+        upper[w] = weighted_quantile(sc, fc.weights, quantile)
+        scen.append(sc.astype(np.float32))
+        names.append(fc.forecaster)
+    return mean, upper, scen, names
+
+
+def forecast_bands(series: WindowSeries, horizon: int, quantile: float):
+    raw = series.rates
+    peak = float(np.nanmax(raw))
+    norm = raw / peak * 100.0
+    key = hashlib.sha1(norm.tobytes()).hexdigest()
+    mean, upper, scen, names = _bands_cached(key, series.window_s, horizon, quantile,
+                                             series.t_start_s.astype(float).tobytes(), norm.tobytes())
+    return mean / 100.0 * peak, upper / 100.0 * peak, [s / 100.0 * peak for s in scen], names
+
+
+# ---- accounting ----
+
+
+def _account(table: CapacityTable, rates: np.ndarray, W: float, day_idx: np.ndarray, ndays: int,
+             name: str, topos: list[Topology]) -> Run:
+    sc = table.scorer
+    valid = ~np.isnan(rates)
+    r = np.nan_to_num(rates)
+    arr = np.array([table.profile.topologies.index(t) for t in topos])
+    good = np.zeros(len(r))
+    tpot = np.zeros(len(r))
+    ttft = np.zeros(len(r))
+    for i, t in enumerate(table.profile.topologies):
+        m = arr == i
+        if m.any():
+            good[m] = sc.goodput_rps(t, r[m]) * W
+            c = table.profile.curve(t)
+            rr = np.minimum(r[m], c.capacity_rps)
+            tpot[m] = np.interp(rr, c.load_rps, c.tpot_p50_s) * 1e3
+            ttft[m] = np.interp(rr, c.load_rps, c.ttft_p50_s) * 1e3
+    sw = 0
+    for w in range(1, len(topos)):
+        if topos[w] != topos[w - 1]:
+            sw += 1
+            if valid[w]:
+                good[w] -= sc.switch_cost(topos[w - 1], topos[w], float(r[w]))
+    good = np.where(valid, good, 0.0)
+    worlds = np.array([t.world_size for t in topos], dtype=float)
+    run = Run(name, list(topos), gpu_s=float((worlds * W)[valid].sum()), good_req=float(good.sum()),
+              offered_req=float((r * W)[valid].sum()), switches=sw)
+    run.good_by_day = np.bincount(day_idx[valid], weights=good[valid], minlength=ndays)
+    wts = (r * W)[valid]
+    if wts.sum() > 0:
+        run.tpot_ms = float(np.average(tpot[valid], weights=wts))
+        run.ttft_ms = float(np.average(ttft[valid], weights=wts))
+    return run
+
+
+# ---- baselines ----
+
+
+def reactive_topologies(table: CapacityTable, rates: np.ndarray, W: float, start: Topology,
+                        factor: float = 1.3, down_after_s: float = 3600.0,
+                        yesterday: bool = False) -> list[Topology]:
+    n = len(rates)
+    hour = max(1, int(round(3600.0 / W)))
+    day_n = int(round(DAY_S / W))
+    cur, last_sw, out = start, -math.inf, []
+    r = rates
+    for w in range(n):
+        past = r[max(0, w - hour):w]
+        past = past[~np.isnan(past)]
+        if len(past):
+            last = float(past[-1])
+            need_now = factor * last
+            peak = factor * float(past.max())
+            if yesterday and w - day_n >= 0:
+                y = r[w - day_n: w - day_n + hour]
+                y = y[~np.isnan(y)]
+                if len(y):
+                    need_now = max(need_now, factor * float(y[0]))
+                    peak = max(peak, factor * float(y.max()))
+            if table.slo_cap[cur] < need_now:
+                tgt = table.cheapest_covering(max(need_now, peak) if yesterday else need_now)
+                if table.slo_cap[tgt] > table.slo_cap[cur]:
+                    cur, last_sw = tgt, w * W
+            elif w * W - last_sw >= down_after_s:
+                tgt = table.cheapest_covering(peak)
+                if tgt.world_size < cur.world_size:
+                    cur, last_sw = tgt, w * W
+        out.append(cur)
+    return out
+
+
+def oracle_topologies(table: CapacityTable, rates: np.ndarray, W: float, objective: str,
+                      request_cost_gpu_s: float, eps: float = 0.01) -> list[Topology]:
+    """gpu-hours: knowing every window's load, per window the topologies keeping >= (1 - eps) of
+    fixed-best's in-SLO requests in that window are allowed; a DP over windows picks among them
+    the path of fewest GPU-seconds + switch costs (lost requests x ``request_cost_gpu_s``), so it
+    does not flap for nothing. latency: per window the lowest-TPOT host topology covering the
+    true load."""
+    r = np.nan_to_num(rates)
+    sc = table.scorer
+    if objective == "latency":
+        return [table.lowest_tpot_covering(float(x), float(x)) for x in r]
+    topos = table.order
+    k, n = len(topos), len(r)
+    g = np.stack([sc.goodput_rps(t, r) for t in topos])  # [k, n]
+    gbest = sc.goodput_rps(table.fixed_best, r)
+    allowed = g >= (1 - eps) * gbest[None, :] - 1e-12
+    allowed[topos.index(table.fixed_best)] = True
+    cost_w = np.array([t.world_size * W for t in topos], dtype=float)
+    local = np.where(allowed, cost_w[:, None], np.inf)  # [k, n]
+    sw = np.zeros((k, k, n))
+    for i, a in enumerate(topos):
+        for j, b in enumerate(topos):
+            if i != j:
+                sc.switch_cost(a, b, 1.0)  # fills the interpolation grid
+                sw[i, j] = np.interp(r, sc._grid, sc._cost_grid[(a, b)]) * request_cost_gpu_s
+    V = local[:, 0].copy()
+    back = np.zeros((n, k), dtype=int)
+    for w in range(1, n):
+        cand = V[:, None] + sw[:, :, w]
+        back[w] = np.argmin(cand, axis=0)
+        V = cand[back[w], np.arange(k)] + local[:, w]
+    path = [int(np.argmin(V))]
+    for w in range(n - 1, 0, -1):
+        path.append(int(back[w, path[-1]]))
+    return [topos[i] for i in reversed(path)]
+
+
+# ---- the replay ----
+
+
+_TABLES: dict = {}
+
+
+def capacity_table(profile: Profile, slo: SLO, bar: float) -> CapacityTable:
+    """One ``CapacityTable`` per (profile object, SLO, bar), kept for the process (its switch-cost
+    grid is the expensive part of a replay)."""
+    key = (id(profile), profile.name, slo, bar)
+    if key not in _TABLES:
+        _TABLES[key] = (profile, CapacityTable(profile, slo, bar))
+    return _TABLES[key][1]
+
+
+def run_savings(series: WindowSeries, profile: Profile, objective: str = "gpu-hours",
+                load_scale: float = 0.9, slo: SLO | None = None,
+                config: ScaleConfig | None = None,
+                policies: tuple[str, ...] = POLICIES) -> SavingsEvaluation:
+    if not load_scale > 0:
+        raise ValueError("load scale must be positive")
+    cfg = config or ScaleConfig(objective=objective)
+    if cfg.objective != objective:
+        from dataclasses import replace
+
+        cfg = replace(cfg, objective=objective)
+    slo = slo or profile.default_slo
+    table = capacity_table(profile, slo, cfg.attainment_bar)
+    raw = series.rates
+    if np.all(np.isnan(raw)) or np.nanmax(raw) <= 0:
+        raise ValueError(f"trace {series.name!r} has no traffic")
+    scale = load_scale * table.best_capacity / float(np.nanmax(raw))
+    rates = raw * scale
+    W, n = series.window_s, len(rates)
+    t0 = float(series.t_start_s[0])
+    day_idx = ((series.t_start_s - t0) // DAY_S).astype(int)
+    ndays = int(day_idx.max()) + 1
+    days = float((~np.isnan(rates)).sum()) * W / DAY_S
+    reqcost = table.request_cost_gpu_s(cfg)
+    acc = functools.partial(_account, table, rates, W, day_idx, ndays)
+    runs: dict[str, Run] = {}
+    best = table.fixed_best
+    runs["fixed-best"] = acc("fixed-best", [best] * n)
+    want = set(policies)
+
+    if "fixed-cheapest" in want:
+        # gpu-hours: the first topology in cost order keeping the bar on every day;
+        # latency: the host topology with the lowest mean TPOT keeping it
+        base = runs["fixed-best"].good_by_day
+        chosen = None
+        for t in (table.order if objective == "gpu-hours" else table.host):
+            run = acc("fixed-cheapest", [t] * n)
+            if not all(a >= cfg.attainment_bar * b - 1e-9 for a, b in zip(run.good_by_day, base) if b > 0):
+                continue
+            if objective == "gpu-hours":
+                chosen = run
+                break
+            if chosen is None or run.tpot_ms < chosen.tpot_ms:
+                chosen = run
+        runs["fixed-cheapest"] = chosen or acc("fixed-cheapest", [best] * n)
+
+    # the adaptive policies start where a node starts: the whole host in fixed-best
+    start = best
+    if objective == "gpu-hours":
+        if "reactive" in want:
+            runs["reactive"] = acc("reactive", reactive_topologies(table, rates, W, start))
+        if "seasonal" in want:
+            runs["seasonal"] = acc("seasonal", reactive_topologies(table, rates, W, start, yesterday=True))
+    else:
+        if "reactive" in want:
+            runs["reactive"] = acc("reactive", _latency_reactive(table, rates, W, start))
+        if "seasonal" in want:
+            runs["seasonal"] = acc("seasonal", _latency_reactive(table, rates, W, start, yesterday=True))
+
+    if "auto" in want:
+        topos, decisions = auto_topologies(series, table, rates, scale, cfg, start)
+        runs["auto"] = acc("auto", topos)
+        runs["auto"].decisions = decisions
+    if "oracle" in want or "oracle-lag1" in want:
+        orc = oracle_topologies(table, rates, W, objective, reqcost)
+        if "oracle" in want:
+            runs["oracle"] = acc("oracle", orc)
+        if "oracle-lag1" in want:
+            # reference, not a policy: the oracle's choice one window late (what any causal policy
+            # that knew the last window's load exactly would pick), to show what the per-window
+            # oracle's saving costs in attainment once it has to be decided before the window
+            runs["oracle-lag1"] = acc("oracle-lag1", [start] + orc[:-1])
+    return SavingsEvaluation(series.name, profile.name, objective, W, n, days, load_scale, scale, slo,
+                             best, runs, cfg.attainment_bar, rates=rates,
+                             t_start_s=np.asarray(series.t_start_s, dtype=float),
+                             slo_capacity=dict(table.slo_cap))
+
+
+def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarray, scale: float,
+                    cfg: ScaleConfig, start: Topology) -> tuple[list[Topology], list]:
+    W, n = series.window_s, len(rates)
+    t0 = float(series.t_start_s[0])
+    H = cfg.windows(cfg.horizon_s, W)
+    mean, upper, scen, fnames = forecast_bands(series, H, cfg.band_quantile)
+    mean, upper = mean * scale, upper * scale
+    state = PolicyState(start, last_switch_s=t0)  # the dwell counts from the start
+    topos, decisions = [], []
+    last = math.nan
+    dwell_n = cfg.windows(cfg.min_dwell_s, W)
+    rec_n = max(cfg.recent_windows, cfg.windows(cfg.recent_s, W))
+    # the SLO error budget, as the policy itself can count it from what it observed: over the
+    # last 24 h, (1 - bar) x fixed-best's in-SLO requests minus the requests its own choices lost
+    # against fixed-best (switches included)
+    r0 = np.nan_to_num(rates)
+    gbest = table.scorer.goodput_rps(table.fixed_best, r0) * W
+    day_n = max(1, int(round(DAY_S / W)))
+    day_of = ((series.t_start_s - t0) // DAY_S).astype(int)
+    lost = np.zeros(n)
+    for w in range(n):
+        if w > 0:
+            prev = topos[-1]
+            lost[w - 1] = max(gbest[w - 1] - float(table.scorer.goodput_rps(prev, r0[w - 1])) * W, 0.0)
+            if w >= 2 and topos[-2] != prev:
+                lost[w - 1] += table.scorer.switch_cost(topos[-2], prev, float(r0[w - 1]))
+            lo = max(0, w - day_n)
+            d0 = int(day_of[w]) * day_n if day_of[w] == day_of[w - 1] else w  # today's first window
+            budget = (1 - cfg.attainment_bar) * float(gbest[lo:w].sum()) - float(lost[d0:w].sum())
+            if not math.isnan(rates[w - 1]):
+                last = float(rates[w - 1])
+            if cfg.sizing == "risk":
+                past = rates[max(0, w - cfg.windows(cfg.peak_s, W)):w]
+                peak = float(np.nanmax(past)) if np.any(~np.isnan(past)) else math.nan
+                recent = rates[max(0, w - rec_n):w]
+            else:
+                past = rates[max(0, w - dwell_n):w]
+                peak = float(np.nanmax(past)) if np.any(~np.isnan(past)) else math.nan
+                recent = None
+            band = Band(W, mean[w], upper[w], scen[w] * scale, fnames[w])
+            seas = float(rates[w - day_n]) if w >= day_n else math.nan
+            d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
+                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas)
+            decisions.append(d)
+            state = after(state, d)
+        topos.append(state.current)
+    return topos, decisions
+
+
+def _latency_reactive(table: CapacityTable, rates: np.ndarray, W: float, start: Topology,
+                      factor: float = 1.3, down_after_s: float = 3600.0, yesterday: bool = False) -> list[Topology]:
+    """Latency objective's baseline: the lowest-TPOT host topology covering 1.3 x the last window
+    (or yesterday's slot); toward lower capacity only 1 h after the last switch."""
+    hour = max(1, int(round(3600.0 / W)))
+    day_n = int(round(DAY_S / W))
+    cur, last_sw, out = start, -math.inf, []
+    for w in range(len(rates)):
+        past = rates[max(0, w - hour):w]
+        past = past[~np.isnan(past)]
+        if len(past):
+            need = factor * float(past[-1])
+            peak = factor * float(past.max())
+            if yesterday and w - day_n >= 0 and not math.isnan(rates[w - day_n]):
+                need = max(need, factor * float(rates[w - day_n]))
+                peak = max(peak, need)
+            if table.slo_cap[cur] < need:
+                cur, last_sw = table.lowest_tpot_covering(need, float(past[-1])), w * W
+            elif w * W - last_sw >= down_after_s:
+                tgt = table.lowest_tpot_covering(peak, float(past[-1]))
+                if tgt != cur:
+                    cur, last_sw = tgt, w * W
+        out.append(cur)
+    return out

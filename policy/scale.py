@@ -1,0 +1,433 @@
+"""Objectives chosen by the operator, and the decision that serves them (pure; clock and forecast
+are arguments).
+
+- ``gpu-hours`` (default): hold the fewest GPUs (world size 1, 2, 4 or 8; the rest released)
+  whose SLO capacity covers the forecast load with headroom.
+- ``latency``: keep the whole host; among its topologies whose SLO capacity covers the forecast
+  load with headroom, the one with the lowest TPOT at that load.
+
+**SLO capacity** of a topology (``CapacityTable``): the largest offered load up to which its SLO
+attainment (from the profile's latency curves, ``TopologyCurve.attainment``) stays at or above
+``attainment_bar`` x the best attainment any topology reaches at near-zero load. A topology that
+never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
+
+**Decision** (``decide_scale``), per window. ``gpu-hours`` with sizing ``risk`` (the default):
+
+- Scenarios for the next window: the forecast scenarios mixed (``recent_weight``) with the rates
+  observed over the last max(``recent_windows``, ``recent_s``) and yesterday's rate for the coming
+  slot where known. Per topology the expected in-SLO requests lost against fixed-best over them,
+  as a share of fixed-best's (``CapacityTable.relative_loss``).
+- A topology qualifies when that share is <= ``loss_budget``, its loss in one window at the peak
+  of the last ``peak_s`` is <= ``budget_share`` x the day's remaining SLO error budget (argument
+  ``error_budget``, requests), and it covers the absolute floor ``floor_rps``.
+- **Scale up at once** (no dwell, never held by the budget) when the current one does not
+  qualify, to the cheapest one qualifying over ``up_lookahead_s``.
+- **Scale down** (one world-size step at a time with ``step_down``) when a smaller one qualifies,
+  after the dwell (max(``min_dwell_s``, ``min_dwell_windows`` windows)), after a warm-up of as many
+  observed windows in a row as the recent span (at the start and after a gap), with one switch of
+  the rolling-24-h budget kept for a scale-up, and when the saving over the forecast mean's run
+  under the target's capacity exceeds the switch's cost scaled by budget / switches left.
+
+Sizing ``band`` (the older rule) and ``latency``:
+
+- need(span) = headroom x max(last observed rate, band over the span), never below the absolute
+  floor ``floor_rps`` (so near-zero traffic never drives a recommendation below what the floor
+  load needs: the floor, not noise, decides).
+- **Scale up at once** when need over the next window exceeds the current SLO capacity; the
+  target is sized for the band over ``up_lookahead_s``, so one step up suffices.
+- **Scale down** only when the dwell since the last switch has passed, the smaller target also
+  covers the peak observed over the last dwell span with headroom, the budget keeps one switch in
+  reserve, the smaller target covers the band for ``down_cover_s``, and the expected saving over
+  the horizon exceeds the switch's cost (requests the switch makes miss the SLO, valued at
+  ``request_cost_gpu_s`` each, plus the downtime x GPUs held), scaled up by budget / switches left.
+- Every decision states its expected saving (GPU-hours over the horizon, or TPOT ms for
+  ``latency``), its risk (share of forecast scenarios whose peak over the covered span exceeds the
+  target's SLO capacity) and the profile it came from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from policy.decide import DAY_S, PolicyState, Scorer
+from policy.profiles import SLO, Profile
+from remp.topology import Topology
+
+OBJECTIVES = ("gpu-hours", "latency")
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    objective: str = "gpu-hours"
+    headroom: float = 1.1  # capacity must cover this x the band
+    band_quantile: float = 0.95  # the forecast band's upper edge (scenario quantile)
+    up_lookahead_s: float = 1800.0  # a scale-up is sized for the band over this span
+    min_dwell_s: float = 0.0  # no scale-down sooner than this after the last switch (and min_dwell_windows)
+    down_cover_s: float = 1800.0  # a scale-down target must cover the band this long
+    horizon_s: float = 3 * 3600.0  # saving is counted over at most this
+    max_switches_per_day: int = 12  # rolling 24 h; scale-ups are never held by it
+    floor_rps: float = 0.05  # absolute floor of the load the policy sizes for
+    attainment_bar: float = 0.99
+    request_cost_gpu_s: float | None = None  # a lost request's value; None: 50 x GPU-s/request at best capacity
+    # sizing "risk": the cheapest topology whose expected in-SLO loss vs fixed-best over the
+    # next window(s), under the forecast scenarios mixed with the recent observed rates, stays
+    # within loss_budget; "band": headroom x the band's upper edge (the older rule)
+    sizing: str = "risk"
+    loss_budget: float = 0.0095  # expected share of fixed-best's in-SLO requests a choice may lose
+    recent_windows: int = 3  # the observed rates of the last max(this many windows, recent_s) ...
+    recent_s: float = 600.0  # ... are scenarios too ...
+    recent_weight: float = 0.6  # ... with this total weight
+    peak_s: float = 3600.0  # the recent peak (for the bet below) is the highest rate of this span
+    budget_share: float = 0.5  # of the day's SLO error budget ((1 - bar) x fixed-best's in-SLO requests
+    #                            over the last 24 h) a choice may risk in one window at the recent peak
+    min_dwell_windows: int = 2  # the dwell is at least this many windows
+    step_down: bool = True  # a scale-down releases one world-size step at a time
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.sizing not in ("risk", "band"):
+            raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
+        if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0):
+            raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0")
+        if not (self.headroom >= 1.0 and 0 < self.band_quantile < 1 and self.min_dwell_s >= 0
+                and self.max_switches_per_day >= 1 and self.floor_rps >= 0 and 0 < self.attainment_bar <= 1):
+            raise ValueError("headroom >= 1, 0 < band_quantile < 1, dwell >= 0, budget >= 1, "
+                             "floor >= 0, 0 < attainment_bar <= 1")
+
+    def windows(self, span_s: float, window_s: float) -> int:
+        return max(1, int(math.ceil(span_s / window_s - 1e-9)))
+
+
+class CapacityTable:
+    """SLO capacities, cost order and TPOTs of one profile under one SLO (precomputed once)."""
+
+    def __init__(self, profile: Profile, slo: SLO, attainment_bar: float = 0.99,
+                 max_world: int | None = None) -> None:
+        self.profile, self.slo = profile, slo
+        self.scorer = Scorer(profile, slo)
+        curves = self.scorer.curves
+        a0 = max(float(c.attainment[0]) for c in curves.values())
+        self.bar = attainment_bar * a0
+        self.slo_cap: dict[Topology, float] = {}
+        for t, c in curves.items():
+            ok = c.attainment >= self.bar
+            if not ok[0]:
+                self.slo_cap[t] = 0.0
+                continue
+            first_bad = int(np.argmin(ok)) if not ok.all() else len(ok)
+            self.slo_cap[t] = float(c.grid_rps[first_bad - 1])
+        worlds = {t.world_size for t in profile.topologies}
+        self.max_world = max_world or max(worlds)
+        self.order = sorted((t for t in profile.topologies if self.slo_cap[t] > 0 and t.world_size <= self.max_world),
+                            key=lambda t: (t.world_size, -self.slo_cap[t]))
+        if not self.order:
+            raise ValueError(f"profile {profile.name!r}: no topology meets the SLO even at zero load")
+        host = [t for t in self.order if t.world_size == self.max_world]
+        if not host:
+            raise ValueError(f"profile {profile.name!r}: no topology of the full world size {self.max_world} meets the SLO")
+        self.fixed_best = max(host, key=lambda t: (self.slo_cap[t], profile.capacity(t)))
+        self.host = host
+
+    def world(self, t: Topology) -> int:
+        return t.world_size
+
+    @property
+    def best_capacity(self) -> float:
+        return self.slo_cap[self.fixed_best]
+
+    def cheapest_covering(self, need: float, among: list[Topology] | None = None) -> Topology:
+        cands = among if among is not None else self.order
+        for t in cands:
+            if self.slo_cap[t] >= need:
+                return t
+        return max(cands, key=lambda t: self.slo_cap[t])
+
+    def tpot_s(self, t: Topology, rate: float) -> float:
+        return self.profile.curve(t).at(min(rate, self.profile.capacity(t)))[2]
+
+    def ttft_s(self, t: Topology, rate: float) -> float:
+        return self.profile.curve(t).at(min(rate, self.profile.capacity(t)))[0]
+
+    def lowest_tpot_covering(self, need: float, rate: float) -> Topology:
+        cov = [t for t in self.host if self.slo_cap[t] >= need]
+        if not cov:
+            return self.fixed_best
+        return min(cov, key=lambda t: (self.tpot_s(t, rate), -self.slo_cap[t]))
+
+    def relative_loss(self, samples: np.ndarray, weights: np.ndarray) -> dict[Topology, float]:
+        """Per topology, the expected in-SLO requests it loses against fixed-best over load
+        ``samples`` (req/s, any shape; ``weights`` alike, summing to 1), as a share of
+        fixed-best's expected in-SLO requests: sum w (g_best - g_T)+ / sum w g_best."""
+        x = np.maximum(np.nan_to_num(np.asarray(samples, dtype=float)), 0.0).ravel()
+        wt = np.asarray(weights, dtype=float).ravel()
+        gb = self.scorer.goodput_rps(self.fixed_best, x)
+        base = float(np.dot(wt, gb))
+        out = {}
+        for t in self.order:
+            lost = float(np.dot(wt, np.maximum(gb - self.scorer.goodput_rps(t, x), 0.0)))
+            out[t] = lost / base if base > 0 else 0.0
+        return out
+
+    def request_cost_gpu_s(self, cfg: ScaleConfig) -> float:
+        if cfg.request_cost_gpu_s is not None:
+            return cfg.request_cost_gpu_s
+        return 50.0 * self.max_world / max(self.best_capacity, 1e-9)
+
+
+@dataclass(frozen=True)
+class Band:
+    """Forecast for the coming windows: mean, the band's upper edge, and the scenario paths."""
+
+    window_s: float
+    mean: np.ndarray  # [H]
+    upper: np.ndarray  # [H]
+    scenarios: np.ndarray  # [K, H]
+    forecaster: str = ""
+
+    @classmethod
+    def from_forecast(cls, fc, quantile: float) -> "Band":  # noqa: ANN001 - policy.forecast.Forecast
+        sc = np.maximum(np.asarray(fc.scenarios, dtype=float), 0.0)
+        return cls(fc.window_s, np.asarray(fc.mean, dtype=float), weighted_quantile(sc, fc.weights, quantile),
+                   sc, fc.forecaster)
+
+
+def weighted_quantile(scen: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
+    """Per column of ``scen`` [K, H], the q-quantile of the K scenarios under ``weights``."""
+    order = np.argsort(scen, axis=0)
+    s = np.take_along_axis(scen, order, axis=0)
+    w = np.asarray(weights, dtype=float)[order]
+    cw = np.cumsum(w, axis=0) / np.sum(w, axis=0)
+    idx = np.argmax(cw >= q - 1e-12, axis=0)
+    return s[idx, np.arange(scen.shape[1])]
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    t_s: float
+    objective: str
+    current: Topology
+    recommended: Topology
+    switch: bool
+    reason: str  # scale-up | scale-down | lower-latency | stay | hold-dwell | hold-budget | hold-saving
+    text: str
+    need_rps: float
+    capacity_rps: float  # SLO capacity of the recommended topology
+    expected_saving: float  # GPU-hours over the horizon (gpu-hours) or TPOT ms (latency)
+    saving_unit: str
+    risk: float  # share of scenarios whose peak over the covered span exceeds the target's capacity
+    profile: str
+    switches_last_day: int
+
+
+def _risk(band: Band, n: int, cap: float, headroom: float) -> float:
+    if band.scenarios.size == 0:
+        return 0.0
+    peak = band.scenarios[:, :n].max(axis=1)
+    return float(np.mean(peak * headroom > cap))
+
+
+def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
+                 table: CapacityTable, cfg: ScaleConfig = ScaleConfig(),
+                 recent_peak: float = math.nan, recent: np.ndarray | None = None,
+                 error_budget: float = math.inf, seasonal: float = math.nan) -> ScaleDecision:
+    """One decision for the window starting at ``now_s`` (see the module docstring).
+    ``recent_peak``: the highest rate observed over the last ``min_dwell_s`` (NaN: unknown); a
+    scale-down target must also cover it with headroom (bursty traffic makes the multiplicative
+    forecast band collapse after a quiet window; the recent peak does not)."""
+    W = band.window_s
+    H = len(band.upper)
+    last = 0.0 if math.isnan(last_rate) else float(last_rate)
+    up_n = min(cfg.windows(cfg.up_lookahead_s, W), H)
+    cover_n = min(cfg.windows(cfg.down_cover_s, W), H)
+    hz_n = min(cfg.windows(cfg.horizon_s, W), H)
+
+    def need(n: int) -> float:
+        return max(cfg.headroom * max(last, float(np.max(band.upper[:n]))), cfg.floor_rps)
+
+    cur = state.current
+    cap = table.slo_cap.get(cur, 0.0)
+    used = state.switches_in_last_day(now_s)
+    left = cfg.max_switches_per_day - used
+    dwell_left = max(0.0, state.last_switch_s + max(cfg.min_dwell_s, cfg.min_dwell_windows * W) - now_s)
+    mean0 = float(band.mean[0]) if H else last
+    n_now, n_plan, n_down = need(1), need(up_n), need(cover_n)
+    if not math.isnan(recent_peak):
+        n_down = max(n_down, cfg.headroom * recent_peak)
+    prof = table.profile.name
+
+    def out(target: Topology, reason: str, text: str, saving: float = 0.0, unit: str = "gpu-hours",
+            n_risk: int = 1, need_rps: float = n_now) -> ScaleDecision:
+        return ScaleDecision(now_s, cfg.objective, cur, target, target != cur, reason, text, need_rps,
+                             table.slo_cap.get(target, 0.0), saving, unit,
+                             _risk(band, n_risk, table.slo_cap.get(target, 0.0), 1.0), prof, used)
+
+    if cfg.objective == "latency":
+        if n_now > cap or cur not in table.host:
+            tgt = table.lowest_tpot_covering(n_plan, mean0)
+            return out(tgt, "scale-up", f"load {last:.3g} req/s nears {cur}'s SLO capacity {cap:.3g}: "
+                       f"-> {tgt} (capacity {table.slo_cap[tgt]:.3g})", 0.0, "tpot-ms", up_n, n_plan)
+        tgt = table.lowest_tpot_covering(n_down, mean0)
+        gain_ms = (table.tpot_s(cur, mean0) - table.tpot_s(tgt, mean0)) * 1e3
+        if tgt == cur or gain_ms < 0.05 * table.tpot_s(cur, mean0) * 1e3:
+            return out(cur, "stay", f"{cur} is the lowest-TPOT topology covering {n_down:.3g} req/s",
+                       0.0, "tpot-ms", cover_n, n_down)
+        if dwell_left > 0:
+            return out(cur, "hold-dwell", f"{tgt} would cut TPOT by {gain_ms:.1f} ms; dwell {dwell_left:.0f} s left",
+                       gain_ms, "tpot-ms", cover_n, n_down)
+        if left <= 1:
+            return out(cur, "hold-budget", f"{tgt} would cut TPOT by {gain_ms:.1f} ms; {used} switches in 24 h",
+                       gain_ms, "tpot-ms", cover_n, n_down)
+        return out(tgt, "lower-latency", f"{cur} -> {tgt}: TPOT -{gain_ms:.1f} ms at {mean0:.3g} req/s",
+                   gain_ms, "tpot-ms", cover_n, n_down)
+
+    if cfg.sizing == "risk":
+        return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
+                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal)
+
+    # gpu-hours, sizing "band"
+    if n_now > cap:
+        return _scale_up(out, table, cur, table.cheapest_covering(n_plan), up_n, W,
+                         f"load {n_now:.3g} req/s with headroom",
+                         f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan)
+    tgt = table.cheapest_covering(n_down)
+    if tgt.world_size >= cur.world_size:
+        return out(cur, "stay", f"{cur} is the fewest GPUs covering {n_down:.3g} req/s", 0.0, "gpu-hours",
+                   cover_n, n_down)
+    tcap = table.slo_cap[tgt]
+    covered = cfg.headroom * np.maximum(band.upper[:hz_n], last) <= tcap
+    run = int(np.argmin(covered)) if not covered.all() else hz_n
+    saving = (cur.world_size - tgt.world_size) * run * W / 3600.0
+    lost = table.scorer.switch_cost(cur, tgt, max(mean0, last)) + table.scorer.switch_cost(tgt, cur, max(mean0, last))
+    cost = (lost * table.request_cost_gpu_s(cfg)
+            + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
+    risk_n = max(run, 1)
+    held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, risk_n, n_down)
+    if held is not None:
+        return held
+    return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "
+               f"save {saving:.2f} GPU-h over {run * W / 60:.0f} min (switch cost {cost:.3f}) at "
+               f"{mean0:.3g} req/s, need {n_down:.3g}", saving, "gpu-hours", risk_n, n_down)
+
+
+def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int, W: float,
+              state_text: str, why: str, need: float) -> "ScaleDecision":
+    """Scale up to ``tgt`` now (no dwell, no budget); a target no larger than ``cur`` means the
+    largest topology, and staying when ``cur`` already is it."""
+    if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0):
+        tgt = max(table.order, key=lambda t: table.slo_cap[t])
+    if tgt == cur:
+        return out(cur, "stay", f"{cur} is already the largest; {state_text}")
+    extra = (tgt.world_size - cur.world_size) * up_n * W / 3600.0
+    return out(tgt, "scale-up", f"{why}: -> {tgt} (capacity {table.slo_cap[tgt]:.3g}; "
+               f"+{extra:.2f} GPU-h over {up_n * W / 60:.0f} min)", -extra, "gpu-hours", up_n, need)
+
+
+def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: float,
+                     dwell_left: float, used: int, left: int, cfg: ScaleConfig, risk_n: int,
+                     need: float) -> "ScaleDecision | None":
+    """Why a worthwhile scale-down to ``tgt`` waits (a hold decision), or None when it may go:
+    the dwell since the last switch, the day's switch budget (one switch kept for a scale-up),
+    a saving that does not beat the switch's cost weighted by the budget left."""
+    if dwell_left > 0:
+        return out(cur, "hold-dwell", f"{tgt} would save {saving:.2f} GPU-h; dwell {dwell_left:.0f} s left",
+                   saving, "gpu-hours", risk_n, need)
+    if left <= 1:
+        return out(cur, "hold-budget", f"{tgt} would save {saving:.2f} GPU-h; {used}/{cfg.max_switches_per_day} "
+                   "switches in 24 h (one kept for a scale-up)", saving, "gpu-hours", risk_n, need)
+    threshold = cost * cfg.max_switches_per_day / left
+    if saving <= threshold:
+        return out(cur, "hold-saving", f"{tgt} would save {saving:.2f} GPU-h <= switch cost {threshold:.2f}",
+                   saving, "gpu-hours", risk_n, need)
+    return None
+
+
+def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """Load samples for the next ``n`` windows: every forecast scenario's path over them, and the
+    recent observed rates (each assumed possible in any of them); weights sum to 1."""
+    sc = band.scenarios[:, :n] if band.scenarios.size else np.asarray(band.upper[:n])[None, :]
+    rec = recent[~np.isnan(recent)] if recent.size else recent
+    if rec.size == 0 or weight <= 0:
+        return sc.ravel(), np.full(sc.size, 1.0 / sc.size)
+    rs = np.repeat(rec[:, None], sc.shape[1], axis=1)
+    w = np.concatenate([np.full(sc.size, (1 - weight) / sc.size), np.full(rs.size, weight / rs.size)])
+    return np.concatenate([sc.ravel(), rs.ravel()]), w
+
+
+def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
+                 up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal):  # noqa: ANN001 - see decide_scale
+    """gpu-hours with sizing "risk" (see the module docstring)."""
+    W = band.window_s
+    cur = state.current
+    rec = np.asarray([last] if recent is None else recent, dtype=float)
+    if recent is None and not math.isnan(recent_peak):
+        rec = np.append(rec, recent_peak)
+    eps = cfg.loss_budget
+
+    # yesterday's rate for the coming slot (where the trace has a day of history) is one more
+    # recent sample: traffic that collapsed (an outage, a gap) may come back at its usual level
+    mix = rec if math.isnan(seasonal) else np.append(rec, seasonal)
+
+    def ok(n: int) -> dict:
+        x, wt = _mixture(band, n, mix, cfg.recent_weight)
+        return table.relative_loss(x, wt)
+
+    pk = np.append(rec, recent_peak) if recent_peak is not None else rec
+    peak = float(np.nanmax(pk)) if pk.size and np.any(~np.isnan(pk)) else last
+    gb_peak = float(table.scorer.goodput_rps(table.fixed_best, peak))
+
+    def bet(t: Topology) -> float:
+        """Requests ``t`` loses against fixed-best in one window at the recent peak."""
+        return max(gb_peak - float(table.scorer.goodput_rps(t, peak)), 0.0) * W
+
+    def cheapest(loss: dict) -> Topology:
+        for t in table.order:
+            if (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps
+                    and bet(t) <= cfg.budget_share * error_budget):
+                return t
+        return max(table.order, key=lambda t: table.slo_cap[t])
+
+    now = ok(1)
+    if (now.get(cur, math.inf) > eps or table.slo_cap.get(cur, 0.0) < cfg.floor_rps
+            or bet(cur) > cfg.budget_share * error_budget):
+        return _scale_up(out, table, cur, cheapest(ok(up_n)), up_n, W,
+                         f"expected loss {now.get(cur, 1.0):.2%}",
+                         f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now)
+    tgt = cheapest(now)
+    if tgt.world_size >= cur.world_size:
+        return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%}", 0.0, "gpu-hours",
+                   1, n_now)
+    need_n = max(cfg.recent_windows, cfg.windows(cfg.recent_s, W))
+    # warm-up: a scale-down needs need_n windows observed in a row (at the start, after a gap)
+    seen = need_n if recent is None else (len(rec) if not np.isnan(rec).any()
+                                           else len(rec) - 1 - int(np.flatnonzero(np.isnan(rec))[-1]))
+    if seen < need_n:
+        return out(cur, "hold-warmup", f"{tgt} may fit, but only {seen} of {need_n} recent windows observed in a row",
+                   0.0, "gpu-hours", 1, n_now)
+    if cfg.step_down:
+        step = max(t.world_size for t in table.order if t.world_size < cur.world_size)
+        tgt = next(t for t in table.order if t.world_size == step)  # the highest-capacity one of that size
+    tcap = table.slo_cap[tgt]
+    # expected run: windows until the forecast mean leaves the target's SLO capacity
+    covered = np.asarray(band.mean[:hz_n]) <= tcap
+    run = max(int(np.argmin(covered)) if not covered.all() else hz_n, 1)
+    saving = (cur.world_size - tgt.world_size) * run * W / 3600.0
+    lost = table.scorer.switch_cost(cur, tgt, max(mean0, last)) + table.scorer.switch_cost(tgt, cur, max(mean0, last))
+    cost = (lost * table.request_cost_gpu_s(cfg)
+            + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
+    held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now)
+    if held is not None:
+        return held
+    return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "
+               f"save {saving:.2f} GPU-h over {run * W / 60:.0f} min (switch cost {cost:.3f}); expected in-SLO "
+               f"loss {now[tgt]:.2%} <= {eps:.2%}", saving, "gpu-hours", run, n_now)
+
+
+def after(state: PolicyState, d: ScaleDecision) -> PolicyState:
+    if not d.switch:
+        return state
+    recent = tuple(t for t in state.switch_times_s if d.t_s - t < DAY_S)
+    return PolicyState(d.recommended, d.t_s, recent + (d.t_s,))

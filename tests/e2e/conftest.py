@@ -1,0 +1,28 @@
+"""Engines shared by several e2e modules: each start of a real vLLM engine costs 40-90 s on a
+2-core CI machine (mostly three processes each importing torch and vLLM, one core each), so an
+agent that no test changes is started once per session, and a module that needs several
+engines starts them at once rather than one after another."""
+
+import pytest
+
+from devstack.agentproc import AgentProcess
+
+
+@pytest.fixture(scope="session")
+def plain_tp1_started(tiny_model, artifacts_dir):
+    """TP1PP1 fp32 on plain vLLM (``--no-switching``: started natively on one worker, no world
+    changes, no warm-up visits), started but not yet waited for: test_agent_e2e asks for it when
+    it starts its own engines, so that the starts overlap. Tests use ``plain_tp1_agent``."""
+    a = AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir,
+                     node="e2e-plain-tp1", extra=["--no-switching"])
+    a.start()
+    yield a
+    rc, orphans = a.stop()
+    assert rc == 0 and not orphans, a.log_tail()
+
+
+@pytest.fixture(scope="session")
+def plain_tp1_agent(plain_tp1_started):
+    """The plain TP1PP1 agent, ready. Read-only for its users (completions, ``remp profile``):
+    test_agent_e2e (the native TP1PP1 outputs) and test_prefill_profile_e2e."""
+    return plain_tp1_started.wait_ready()

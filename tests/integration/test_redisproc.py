@@ -1,0 +1,66 @@
+"""The private redis-server (remp/redisproc.py) with a real binary: a random password that is in
+no process's argv, loopback only, config in a private file, restart after a crash on the same
+port with the same password and data; without a password it still works as before."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import psutil
+import redis
+
+from remp.redisproc import RedisServer
+
+
+def raw(port: int, command: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(command + b"\r\n")
+        return s.recv(256)
+
+
+def test_private_redis_has_a_password_kept_out_of_argv_and_listens_on_loopback_only():
+    with RedisServer(generate_password=True) as r:
+        assert r.password and len(r.password) >= 32
+        assert r.password not in r.redacted_url and "***" in r.redacted_url
+        cmdline = Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().decode()
+        assert r.password not in cmdline
+        conf = r.config_path
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+        assert stat.S_IMODE(conf.parent.stat().st_mode) == 0o700
+        assert raw(r.port, b"PING").startswith(b"-NOAUTH")
+        assert raw(r.port, b"AUTH wrong-password").startswith(b"-WRONGPASS")
+        c = redis.Redis.from_url(r.url)
+        assert c.ping()
+        assert c.config_get("bind") == {"bind": "127.0.0.1"}
+        c.close()
+        listening = {x.laddr.ip for x in psutil.Process(r.proc.pid).net_connections("inet")
+                     if x.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}, listening
+    assert not os.path.exists(conf)  # stop() removes the private directory
+
+
+def test_restart_after_kill_keeps_port_password_and_persisted_data():
+    with RedisServer(generate_password=True, persist=True) as r:
+        port, password, pid = r.port, r.password, r.proc.pid
+        c = redis.Redis.from_url(r.url)
+        c.set("remp:k", "v")
+        c.close()
+        r.proc.kill()
+        r.proc.wait()
+        assert not r.alive() and not r.ping()
+        r.restart()
+        assert (r.port, r.password) == (port, password) and r.proc.pid != pid
+        c = redis.Redis.from_url(r.url)
+        assert c.get("remp:k") == b"v"
+        c.close()
+
+
+def test_without_a_password_it_works_as_before():
+    with RedisServer() as r:
+        assert r.password is None and r.url == f"redis://127.0.0.1:{r.port}/0"
+        c = redis.Redis.from_url(r.url)
+        assert c.ping() and c.config_get("appendonly") == {"appendonly": "no"}
+        c.close()

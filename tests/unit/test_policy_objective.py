@@ -1,0 +1,310 @@
+"""The live policy service with the operator objectives (``gpu-hours``, ``latency``): the real
+decision core (``policy.scale.decide_scale``), a virtual clock (``tick(now)``), and an in-memory
+controller and decision store behind the service's ports (``ControllerPort``,
+``DecisionStorePort``) that behave like the real ones for what the policy calls: Reconfigure
+refuses a target that is not a candidate and switches the node otherwise."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from policy.config import PolicySettings
+from policy.decide import DAY_S, PolicyConfig
+from policy.profiles import Profile
+from policy.scale import CapacityTable, ScaleConfig
+from policy.service import (DecisionRecord, NodeView, ObjectiveDecision, PolicyService,
+                            ReconfigureResult, Sample, Window, error_budget, scale_inputs)
+from policy.servicer import recommendation_to_proto
+from remp.errors import InvalidArgument, NotFound
+from remp.topology import Topology
+from tests.policy_profiles import two_gpu_profile
+
+TP1PP1, TP2PP1, TP1PP2 = Topology(1, 1), Topology(2, 1), Topology(1, 2)
+W = 10.0
+
+
+def scale_profile() -> Profile:
+    """Synthetic (not measured): one and two GPUs; SLO capacities 1.48 (TP1PP1), 2.96 (TP2PP1)
+    and 3.33 req/s (TP1PP2, the whole host's best); TPOT grows with load."""
+    return two_gpu_profile("scale-test", tpot_p50_ms=(10, 12, 15, 30))
+
+
+class MemoryController:
+    """The controller as the policy sees it: nodes, their heartbeat samples, Reconfigure (refuses
+    a non-candidate, switches at once otherwise) and RecordRecommendation."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, NodeView] = {}
+        self.samples: dict[str, list[Sample]] = {}
+        self.calls: list[tuple] = []
+
+    def add(self, name: str, at: Topology, candidates=(TP1PP1, TP2PP1, TP1PP2)) -> None:
+        self.views[name] = NodeView(name, at, tuple(candidates), "ready")
+        self.samples[name] = []
+
+    def push(self, name: str, rate: float, t_from: float, t_to: float) -> None:
+        """One-second heartbeat samples at ``rate`` req/s over (t_from, t_to]."""
+        for i in range(int(t_from) + 1, int(t_to) + 1):
+            n = math.floor(rate * i + 1e-9) - math.floor(rate * (i - 1) + 1e-9)
+            self.samples[name].append(Sample(float(i), 1.0, n))
+
+    async def list_nodes(self) -> list[NodeView]:
+        return list(self.views.values())
+
+    async def traffic(self, node, since_s, limit):
+        if node not in self.views:
+            raise NotFound(node)
+        return [s for s in self.samples[node] if since_s is None or s.at_s > since_s]
+
+    async def reconfigure(self, node, target, request_id, reason) -> ReconfigureResult:
+        self.calls.append(("reconfigure", node, target, request_id, reason))
+        v = self.views[node]
+        if target not in v.candidates:
+            raise InvalidArgument(f"target {target} is not a candidate of this node")
+        if v.observed == target:
+            return ReconfigureResult("", noop=True)
+        self.views[node] = replace(v, observed=target)
+        return ReconfigureResult(f"sw-{len(self.calls)}")
+
+    async def record_recommendation(self, node, recommended, reason, decision_id) -> None:
+        self.calls.append(("recommend", node, recommended, reason, decision_id))
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.docs: list[str] = []
+        self.modes: dict[str, str] = {}
+
+    async def load(self, limit):
+        return [json.loads(d) for d in self.docs[-limit:]], dict(self.modes)
+
+    async def append(self, doc, keep):
+        self.docs = (self.docs + [json.dumps(doc)])[-keep:]
+
+    async def save_modes(self, modes):
+        self.modes = dict(modes)
+
+
+def cfg(**kw) -> ScaleConfig:
+    """Spans of a few 10-s windows so a test runs in virtual minutes: recent 3 windows, peak
+    over 6, horizon 10, dwell 2 windows (the defaults' windows scaled down)."""
+    base = dict(horizon_s=100.0, up_lookahead_s=30.0, down_cover_s=30.0, recent_s=30.0,
+                peak_s=60.0)
+    base.update(kw)
+    return ScaleConfig(**base)
+
+
+def service(ctl, objective="gpu-hours", store=None, mode="advisory", **kw) -> PolicyService:
+    return PolicyService(scale_profile(), ctl, config=PolicyConfig(horizon_s=100.0), window_s=W,
+                         default_mode=mode, objective=objective, scale=cfg(**kw), store=store)
+
+
+# ------------------------------------------------------------------------------ gpu-hours
+
+async def test_low_load_scales_down_one_world_size_after_warm_up_with_its_impact():
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl)
+    ctl.push("n1", 0.3, 1000, 1025)
+    (first,) = await svc.tick(1025.0)  # two windows seen: not enough to release GPUs
+    assert isinstance(first.decision, ObjectiveDecision)
+    assert first.decision.reason == "hold-warmup" and not first.decision.switch
+    ctl.push("n1", 0.3, 1025, 1060)
+    (rec,) = await svc.tick(1060.0)
+    d, imp = rec.decision, rec.impact
+    assert d.switch and d.reason == "scale-down" and d.recommended == TP1PP1
+    assert d.objective == "gpu-hours" and d.scale.profile == "scale-test"
+    # what it states: saving vs the whole host, risk, released ranks, profile
+    assert imp.objective == "gpu-hours" and imp.profile == "scale-test"
+    assert (imp.gpus, imp.host_gpus, imp.released_gpus) == (1, 2, (1,))
+    assert imp.expected_saving_gpu_hours == pytest.approx(1 * imp.saving_horizon_s / 3600)
+    assert imp.saving_horizon_s >= W and imp.expected_slo_loss <= 0.008
+    assert imp.error_budget > 0 and 0 <= imp.overload_risk <= 1
+    # per candidate: the expected loss and SLO capacity the choice came from
+    by = {c.topology: c for c in d.scores}
+    assert set(by) == {TP1PP1, TP2PP1, TP1PP2} and by[TP1PP2].expected_slo_loss == 0
+    assert by[TP1PP1].slo_capacity_rps == pytest.approx(1.479, abs=0.01)
+    # advisory: recorded at the controller once, with the numbers in the reason
+    assert rec.outcome == "recommended TP1PP1"
+    (call,) = [c for c in ctl.calls if c[0] == "recommend"]
+    assert call[2] == TP1PP1 and call[4] == rec.id
+    assert "releases GPU 1" in call[3] and "profile scale-test" in call[3]
+    assert "GPU-h vs the whole host" in call[3] and "expected SLO loss" in call[3]
+    # GetRecommendation states the same
+    r = recommendation_to_proto(await svc.get_recommendation("n1"))
+    assert r.objective == "gpu-hours" and r.profile == "scale-test" and r.decision_id == rec.id
+    assert r.expected_saving_gpu_hours == pytest.approx(imp.expected_saving_gpu_hours)
+    assert r.expected_slo_loss == pytest.approx(imp.expected_slo_loss)
+    assert (r.gpus, r.host_gpus, list(r.released_gpus)) == (1, 2, [1])
+    assert {(s.topology.tp, s.topology.pp): s.gpus for s in r.scores}[(1, 1)] == 1
+    assert not [c for c in ctl.calls if c[0] == "reconfigure"]
+
+
+async def test_auto_releases_gpus_then_scales_up_at_once():
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl, mode="auto")
+    ctl.push("n1", 0.3, 1000, 1060)
+    await svc.tick(1025.0)
+    (down,) = await svc.tick(1060.0)
+    assert down.decision.recommended == TP1PP1 and down.outcome == "accepted"
+    (call,) = [c for c in ctl.calls if c[0] == "reconfigure"]
+    assert call[2] == TP1PP1 and call[3] == down.id  # request id = decision id
+    assert ctl.views["n1"].observed == TP1PP1 and down.switch_id
+    st = svc.nodes["n1"].scale_state
+    assert st.current == TP1PP1 and st.last_switch_s == 1060.0 and st.switch_times_s == (1060.0,)
+    # the load jumps past TP1PP1's SLO capacity: up at once (no dwell), to the whole host
+    ctl.push("n1", 3.0, 1060, 1082)
+    (up,) = await svc.tick(1082.0)
+    assert up.decision.reason == "scale-up" and up.decision.switch, up.decision.text
+    assert up.decision.recommended.world_size == 2 and up.outcome == "accepted"
+    assert up.impact.released_gpus == () and up.impact.expected_saving_gpu_hours == 0
+    assert ctl.views["n1"].observed == up.decision.recommended
+    assert svc.nodes["n1"].scale_state.switch_times_s == (1060.0, 1082.0)
+
+
+async def test_only_the_nodes_candidates_are_recommended():
+    ctl = MemoryController()
+    ctl.add("no-one", TP2PP1, candidates=(TP2PP1, TP1PP2))  # cannot run on one GPU
+    ctl.add("no-best", TP1PP1, candidates=(TP1PP1, TP2PP1))  # the profile's best is not offered
+    svc = service(ctl)
+    ctl.push("no-one", 0.3, 1000, 1100)
+    ctl.push("no-best", 2.8, 1000, 1100)
+    recs = {r.node: r for r in await svc.tick(1100.0)}
+    a, b = recs["no-one"], recs["no-best"]
+    assert a.decision.recommended.world_size == 2 and not a.decision.switch
+    assert {c.topology for c in a.decision.scores} == {TP2PP1, TP1PP2}
+    assert a.impact.host_gpus == 2 and a.impact.released_gpus == ()
+    assert b.decision.switch and b.decision.recommended == TP2PP1, b.decision.text
+    assert TP1PP2 not in {c.topology for c in b.decision.scores}
+    # a Reconfigure for a non-candidate would be refused: none was asked for
+    assert all(c[2] in ctl.views[c[1]].candidates for c in ctl.calls)
+
+
+async def test_latency_keeps_the_whole_host_and_says_so():
+    ctl = MemoryController()
+    ctl.add("n1", TP1PP1)
+    svc = service(ctl, objective="latency")
+    ctl.push("n1", 0.3, 1000, 1100)
+    (rec,) = await svc.tick(1100.0)
+    d = rec.decision
+    assert d.objective == "latency" and d.recommended.world_size == 2 and d.switch
+    assert rec.impact.objective == "latency" and rec.impact.gpus == 2
+    assert rec.impact.expected_saving_gpu_hours == 0 and rec.impact.released_gpus == ()
+
+
+async def test_goodput_objective_states_its_impact_too():
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl, objective="goodput")
+    ctl.push("n1", 3.2, 1000, 1100)
+    (rec,) = await svc.tick(1100.0)
+    assert not isinstance(rec.decision, ObjectiveDecision)  # the SLO-goodput core
+    assert rec.decision.recommended.world_size == 2  # same world size only
+    assert rec.impact.objective == "goodput" and rec.impact.profile == "scale-test"
+    assert math.isnan(rec.impact.error_budget)
+    assert "objective goodput" in rec.reason_line()
+
+
+async def test_decisions_and_switch_times_survive_a_restart():
+    ctl, store = MemoryController(), MemoryStore()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl, store=store, mode="auto")
+    await svc.start()
+    ctl.push("n1", 0.3, 1000, 1060)
+    await svc.tick(1025.0)
+    (down,) = await svc.tick(1060.0)
+    assert down.outcome == "accepted"
+    again = service(ctl, store=store, mode="advisory")
+    await again.start()
+    back = {d.id: d for d in again.decisions}[down.id]
+    assert isinstance(back.decision, ObjectiveDecision) and back.impact == down.impact
+    assert back.decision.scale == down.decision.scale
+    assert back.decision.scores == down.decision.scores
+    assert back.reason_line() == down.reason_line()
+    ctl.push("n1", 0.3, 1060, 1100)
+    await again.tick(1100.0)
+    # the switch made before the restart still counts against the daily budget
+    assert again.nodes["n1"].scale_state.switch_times_s == (1060.0,)
+
+
+# ------------------------------------------------------------------------------ pure inputs
+
+def test_error_budget_counts_the_last_day_and_todays_losses():
+    prof = scale_profile()
+    table = CapacityTable(prof, prof.default_slo)
+    Wd = 600.0
+    day0 = 10 * DAY_S
+    # yesterday on the whole host's best at 1 req/s: nothing lost; the budget is 1 % of it
+    hist = [Window(day0 - DAY_S + i * Wd, 1.0, table.fixed_best) for i in range(144)]
+    now = day0 + Wd
+    full = error_budget(table, hist, Wd, day0, 0.99)
+    g = float(table.scorer.goodput_rps(table.fixed_best, 1.0)) * Wd
+    assert full == pytest.approx(0.01 * 144 * g)
+    # today on one GPU above its SLO capacity: what it lost comes off the budget
+    hist2 = hist + [Window(day0, 2.0, TP1PP1)]
+    lost = (float(table.scorer.goodput_rps(table.fixed_best, 2.0))
+            - float(table.scorer.goodput_rps(TP1PP1, 2.0))) * Wd
+    lost += table.scorer.switch_cost(table.fixed_best, TP1PP1, 2.0)
+    gb2 = float(table.scorer.goodput_rps(table.fixed_best, 2.0)) * Wd
+    assert lost > 0
+    assert error_budget(table, hist2, Wd, now, 0.99) == pytest.approx(
+        0.01 * (143 * g + gb2) - lost)
+    # yesterday's losses do not count today; nothing observed: no budget
+    assert error_budget(table, [], Wd, now, 0.99) == 0.0
+
+
+def test_scale_inputs_recent_peak_and_yesterdays_slot():
+    prof = scale_profile()
+    table = CapacityTable(prof, prof.default_slo)
+    Wd = 600.0
+    c = ScaleConfig(recent_s=1800.0, peak_s=3600.0)  # 3 recent windows, peak over 6
+    n = 144 + 10
+    rates = [float(i % 17) for i in range(n)]
+    rates[-2] = math.nan
+    hist = [Window(i * Wd, r, TP1PP2) for i, r in enumerate(rates)]
+    inp = scale_inputs(hist, Wd, c, table, n * Wd)
+    assert inp.last_rate == rates[-1]
+    assert np.array_equal(inp.recent, np.array(rates[-3:]), equal_nan=True)
+    assert inp.recent_peak == np.nanmax(rates[-6:])
+    assert inp.seasonal == rates[n - 144]  # the coming window, one day earlier
+    short = scale_inputs(hist[-20:], Wd, c, table, n * Wd)
+    assert math.isnan(short.seasonal) and short.recent.size == 3
+
+
+def test_settings_objective_defaults():
+    s = PolicySettings(controller="127.0.0.1:1")
+    assert s.objective == "gpu-hours"
+    sc = s.scale_config()
+    assert sc.objective == "gpu-hours" and sc.max_switches_per_day == 12 and sc.min_dwell_s == 0
+    pc = s.policy_config()
+    assert pc.min_dwell_s == 1800 and pc.max_switches_per_day == 6  # goodput's own defaults
+    lat = PolicySettings(controller="127.0.0.1:1", objective="latency", min_dwell_seconds=60,
+                         max_switches_per_day=4, loss_budget=0.005)
+    sc = lat.scale_config()
+    assert (sc.objective, sc.min_dwell_s, sc.max_switches_per_day, sc.loss_budget) == (
+        "latency", 60, 4, 0.005)
+    with pytest.raises(ValueError):
+        PolicySettings(controller="127.0.0.1:1", objective="cheapest")
+    with pytest.raises(ValueError):
+        PolicySettings(controller="127.0.0.1:1", max_switches_per_day=0)
+
+
+def test_record_json_round_trip_keeps_old_documents_readable():
+    # a decision logged before objectives existed (no "kind", no "impact") still loads
+    old = {"id": "pd-x-1", "seq": 1, "node": "n", "mode": "advisory", "decision": {
+        "t_s": 5.0, "current": "TP2PP1", "recommended": "TP1PP2", "switch": True,
+        "reason": "switch", "text": "t", "scores": [["TP2PP1", 1.0, 0.0, 1.0]], "gain": 1.0,
+        "threshold": 0.5, "dwell_left_s": 0.0, "switches_last_day": 0, "forecaster": "ewma",
+        "forecast_rps": 1.0}}
+    rec = DecisionRecord.from_json(old)
+    assert rec.impact is None and rec.decision.recommended == TP1PP2
+    assert DecisionRecord.from_json(json.loads(json.dumps(rec.to_json()))).to_json() == \
+        rec.to_json()
+    r = recommendation_to_proto(rec)
+    assert r.objective == "" and r.scores[0].gpus == 2

@@ -1,0 +1,210 @@
+"""Objectives and scale decisions (policy/scale.py) and the savings replay (policy/savings.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ops.policy_cli import main
+from policy.decide import PolicyState
+from policy.profiles import load_profile
+from policy.savings import POLICIES, RESULT_KEYS, run_savings
+from policy.scale import Band, CapacityTable, ScaleConfig, decide_scale
+from policy.traces import WindowSeries, write_canonical
+
+
+@pytest.fixture(scope="module")
+def table():
+    p = load_profile("h100x8-llama2-7b")
+    return CapacityTable(p, p.default_slo)
+
+
+def band(rate, n=18, W=600.0, spread=0.0):
+    mean = np.full(n, rate)
+    sc = np.stack([mean * (1 + spread * k) for k in (-1, 0, 1)])
+    return Band(W, mean, mean * (1 + spread), sc, "test")
+
+
+def test_capacity_table_orders_by_gpus(table):
+    caps = [table.slo_cap[t] for t in table.order]
+    worlds = [t.world_size for t in table.order]
+    assert worlds == sorted(worlds) and table.fixed_best.world_size == 8
+    assert table.cheapest_covering(0.5).world_size == 1
+    assert table.cheapest_covering(table.best_capacity * 0.99).world_size == 8
+    assert all(c > 0 for c in caps)
+
+
+def test_scale_up_at_once_ignores_dwell(table):
+    small = table.cheapest_covering(1.0)
+    st = PolicyState(small, last_switch_s=0.0, switch_times_s=(0.0,))
+    d = decide_scale(st, 60.0, table.slo_cap[small] * 1.2, band(table.slo_cap[small] * 1.2), table)
+    assert d.switch and d.reason == "scale-up" and d.recommended.world_size > small.world_size
+    assert d.profile == "h100x8-llama2-7b"
+
+
+def test_scale_down_after_dwell_and_saving(table):
+    big = table.fixed_best
+    low = 0.5
+    st = PolicyState(big, last_switch_s=0.0, switch_times_s=(0.0,))
+    held = decide_scale(st, 600.0, low, band(low), table)
+    assert not held.switch and held.reason == "hold-dwell" and held.expected_saving > 0
+    d = decide_scale(st, 4000.0, low, band(low), table)
+    # one world-size step at a time
+    assert d.switch and d.reason == "scale-down" and d.recommended.world_size == 4
+    assert d.expected_saving > 0 and 0 <= d.risk <= 1
+    direct = decide_scale(st, 4000.0, low, band(low), table, ScaleConfig(step_down=False))
+    assert direct.switch and direct.recommended.world_size == 1
+    # a recent burst keeps the size
+    kept = decide_scale(st, 4000.0, low, band(low), table, recent_peak=table.slo_cap[big] * 0.8)
+    assert not kept.switch
+
+
+def test_floor_and_budget(table):
+    big = table.fixed_best
+    cfg = ScaleConfig(floor_rps=table.slo_cap[table.order[0]] * 1.5)
+    d = decide_scale(PolicyState(big), 1e5, 0.0, band(0.0), table, cfg)
+    assert d.recommended.world_size > 1  # the floor, not zero traffic, sizes the target
+    times = tuple(float(t) for t in range(11))
+    st = PolicyState(big, last_switch_s=-1e4, switch_times_s=times)
+    d = decide_scale(st, 100.0, 0.5, band(0.5), table)
+    assert not d.switch and d.reason == "hold-budget"
+
+
+def test_latency_objective_prefers_lower_tpot_off_peak(table):
+    cfg = ScaleConfig(objective="latency")
+    cur = table.fixed_best
+    d = decide_scale(PolicyState(cur), 1e5, 1.0, band(1.0), table, cfg)
+    if d.switch:
+        assert d.recommended.world_size == 8 and table.tpot_s(d.recommended, 1.0) < table.tpot_s(cur, 1.0)
+    assert d.saving_unit == "tpot-ms"
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        ScaleConfig(objective="cheap")
+    with pytest.raises(ValueError):
+        ScaleConfig(headroom=0.5)
+
+
+def _diurnal(days=3, W=600.0, amp=0.7, seed=0):
+    t = np.arange(0, days * 86400, W)
+    rng = np.random.default_rng(seed)
+    r = 100 * (1 + amp * np.sin(2 * np.pi * t / 86400)) * (1 + 0.03 * rng.standard_normal(len(t)))
+    return WindowSeries("diurnal", W, t, r * W, np.zeros(len(t), bool))
+
+
+def test_replay_saves_gpu_hours_on_a_diurnal_trace():
+    ev = run_savings(_diurnal(), load_profile("h100x8-llama2-7b"), "gpu-hours", 0.9)
+    r = ev.result()
+    assert tuple(r)[:4] == RESULT_KEYS and set(r["gpu_hours_fraction"]) == set(POLICIES)
+    g = r["gpu_hours_fraction"]
+    assert g["fixed-best"] == 1.0 and g["oracle"] < 0.9 and g["auto"] < 0.95
+    assert r["relative_attainment_min_day"]["auto"] >= 0.99
+    assert r["switches_per_day"]["auto"] <= 12
+    assert r["captured_share"] is not None and r["captured_share"] > 0.5
+
+
+def test_cli_savings_json_and_profiles(tmp_path, capsys):
+    write_canonical(_diurnal(days=2, W=3600.0), tmp_path / "t.csv")
+    assert main(["evaluate", "--trace", str(tmp_path / "t.csv"), "--profile", "h200x8-llama2-70b",
+                 "--load-scale", "0.6", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert tuple(last)[:4] == RESULT_KEYS
+    assert main(["profiles"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "h100x8-llama2-70b" in names and "h100x8-llama2-7b" in names
+    assert main(["evaluate", "--trace", str(tmp_path / "t.csv"), "--objective", "latency", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last["gpu_hours_fraction"].values()) == {1.0}
+
+
+# ---- the "risk" sizing's mechanisms ----
+
+
+def test_relative_loss_is_zero_for_fixed_best_and_grows_with_load(table):
+    lo = table.relative_loss(np.array([1.0]), np.array([1.0]))
+    hi = table.relative_loss(np.array([table.best_capacity * 0.9]), np.array([1.0]))
+    assert lo[table.fixed_best] == 0.0 and hi[table.fixed_best] == 0.0
+    small = table.order[0]
+    assert hi[small] > 0.5 and hi[small] > lo[small]
+
+
+def test_a_burst_among_the_recent_windows_keeps_the_size(table):
+    big = table.fixed_best
+    st = PolicyState(big, last_switch_s=0.0)
+    calm = np.full(10, 1.0)
+    d = decide_scale(st, 1e4, 1.0, band(1.0, W=60.0), table, recent=calm)
+    assert d.switch and d.reason == "scale-down"
+    bursty = calm.copy()
+    bursty[3] = table.best_capacity * 0.8
+    kept = decide_scale(st, 1e4, 1.0, band(1.0, W=60.0), table, recent=bursty)
+    assert not kept.switch
+
+
+def test_warm_up_after_a_gap_holds_the_scale_down(table):
+    big = table.fixed_best
+    st = PolicyState(big, last_switch_s=0.0)
+    rec = np.array([1.0, 1.0, np.nan, 1.0, 1.0])  # 10-min windows: 3 in a row are needed
+    d = decide_scale(st, 1e5, 1.0, band(1.0), table, recent=rec)
+    assert not d.switch and d.reason == "hold-warmup"
+    d = decide_scale(st, 1e5, 1.0, band(1.0), table, recent=np.append(rec, 1.0))
+    assert d.switch and d.reason == "scale-down"
+
+
+def test_yesterdays_level_is_a_scenario_after_a_collapse(table):
+    mid = next(t for t in table.order if t.world_size == 4)
+    st = PolicyState(mid, last_switch_s=0.0)
+    rec = np.full(4, 0.05)  # traffic collapsed (an outage) ...
+    d = decide_scale(st, 1e5, 0.05, band(0.05), table, recent=rec)
+    assert d.switch and d.recommended.world_size < 4
+    usual = table.slo_cap[mid] * 0.8  # ... but this slot carried this much yesterday
+    kept = decide_scale(st, 1e5, 0.05, band(0.05), table, recent=rec, seasonal=usual)
+    assert not kept.switch
+
+
+def test_error_budget_limits_the_bet_at_the_recent_peak(table):
+    big = table.fixed_best
+    st = PolicyState(big, last_switch_s=0.0)
+    rec = np.full(4, table.slo_cap[table.order[0]] * 0.9)
+    free = decide_scale(st, 1e5, rec[-1], band(rec[-1]), table, recent=rec, recent_peak=table.best_capacity * 0.3)
+    assert free.switch and free.recommended.world_size == 4
+    spent = decide_scale(st, 1e5, rec[-1], band(rec[-1]), table, recent=rec,
+                         recent_peak=table.best_capacity * 0.3, error_budget=0.0)
+    assert not spent.switch
+    # with the budget spent, a smaller topology that could lose requests at the peak goes up at once
+    small = next(t for t in table.order if t.world_size == 4)
+    up = decide_scale(PolicyState(small, 0.0), 1e5, rec[-1], band(rec[-1]), table, recent=rec,
+                      recent_peak=table.slo_cap[small] * 1.2, error_budget=0.0)
+    assert up.switch and up.reason == "scale-up"
+
+
+def test_band_sizing_is_still_available(table):
+    big = table.fixed_best
+    st = PolicyState(big, last_switch_s=0.0, switch_times_s=(0.0,))
+    d = decide_scale(st, 4000.0, 0.5, band(0.5), table, ScaleConfig(sizing="band", min_dwell_s=1800.0))
+    assert d.switch and d.recommended.world_size == 1
+    with pytest.raises(ValueError):
+        ScaleConfig(sizing="magic")
+
+
+def _outage(days=3, W=600.0):
+    t, r = _diurnal(days, W).t_start_s, _diurnal(days, W).rates.copy()
+    day = int(86400 / W)
+    r[day + 60: day + 66] = r[day + 60: day + 66] * 0.002  # an hour of near-zero traffic, then back
+    r[day + 58] = np.nan
+    return WindowSeries("outage", W, t, np.nan_to_num(r) * W, np.isnan(r))
+
+
+def test_replay_keeps_the_slo_through_an_outage_and_its_return():
+    ev = run_savings(_outage(), load_profile("h100x8-llama2-7b"), "gpu-hours", 0.6)
+    r = ev.result()
+    assert r["relative_attainment_min_day"]["auto"] >= 0.99
+    assert r["gpu_hours_fraction"]["auto"] < r["gpu_hours_fraction"]["reactive"] + 0.02
+
+
+def test_oracle_lag1_reference():
+    ev = run_savings(_diurnal(days=1), load_profile("h100x8-llama2-7b"), "gpu-hours", 0.9,
+                     policies=("fixed-best", "oracle", "oracle-lag1"))
+    assert set(ev.runs) == {"fixed-best", "oracle", "oracle-lag1"}
+    assert ev.runs["oracle-lag1"].topologies[1:] == ev.runs["oracle"].topologies[:-1]
+    assert ev.captured_share() is None  # no auto run
