@@ -600,7 +600,7 @@ class Controller:
                                          detail="lease expired")
                         if await self.leases.expire(name, now, ev):
                             log.warning("controller.node_lost", node=name)
-                            self.spawn(self.recovery.recover_lost(name))
+                            self.spawn(self.recovery.recover_lost_retrying(name))
             except Unavailable as exc:
                 log.warning("controller.sweep_failed", error=str(exc))
 

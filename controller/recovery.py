@@ -19,6 +19,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_delay,
+                      wait_exponential)
+
 from remp import logs
 from remp.errors import FailedPrecondition, RempError, Unavailable
 
@@ -35,6 +38,7 @@ class RecoveryCoordinator:
         self.core = core
         self.store = core.store
         self.agents = core.agents
+        self._handed: dict[str, set[str]] = {}  # lost node → request ids already handed out
 
     # ------------------------------------------------------------------ targets
     async def _targets(self, source: str, wanted: str = "") -> list[tuple[str, str]]:
@@ -114,6 +118,27 @@ class RecoveryCoordinator:
         return d
 
     # ------------------------------------------------------------------ loss
+    async def recover_lost_retrying(self, node: str, give_up_s: float = 120.0) -> int:
+        """:meth:`recover_lost`, retried while Redis is unreachable (a lost node's requests are
+        not dropped because Redis hiccupped at that moment); a request already handed to a
+        target is never handed out twice."""
+        try:
+            async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(Unavailable), reraise=True,
+                    wait=wait_exponential(multiplier=0.2, max=5.0),
+                    stop=stop_after_delay(give_up_s)):
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        log.info("controller.lost_node_recovery_retry", node=node,
+                                 attempt=attempt.retry_state.attempt_number)
+                    return await self.recover_lost(node)
+        except Unavailable as exc:
+            log.error("controller.lost_node_recovery_failed", node=node, error=str(exc),
+                      detail=f"Redis unreachable for {give_up_s:.0f} s; its journal is kept")
+        finally:
+            self._handed.pop(node, None)
+        return 0
+
     async def recover_lost(self, node: str) -> int:
         """Recompute the requests in ``node``'s last journal on other nodes."""
         journal = await self.store.inflight(node)
@@ -139,7 +164,10 @@ class RecoveryCoordinator:
             log.error("controller.recovery_impossible", node=node, requests=len(reqs),
                       error=str(exc))
             return 0
+        handed = self._handed.setdefault(node, set())
         for i, r in enumerate(reqs):
+            if r.request_id in handed:
+                continue  # handed out by an earlier attempt
             name, address = targets[i % len(targets)]
             tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
             decision = RecoveryDecision(
@@ -156,6 +184,7 @@ class RecoveryCoordinator:
                 output_token_ids=r.output_token_ids, max_tokens=r.max_tokens,
                 temperature=r.temperature, ignore_eos=r.ignore_eos))
             self.core.spawn(self._follow(rec, _continuation(events)))
+            handed.add(r.request_id)
         await self.store.clear_inflight(node)
         log.warning("controller.lost_node_recovering", node=node, requests=len(reqs))
         return len(reqs)

@@ -23,14 +23,14 @@ from controller.watch import EventHub
 from remp import logs, metrics
 from remp.auth import Credentials, Role
 from remp.controller.v1 import controller_pb2_grpc
-from remp.grpc_util import make_server, set_serving
+from remp.grpc_util import Shutdown, make_server, set_serving
 
 SERVICE_NAME = "remp.controller.v1.Controller"
 log = logs.get_logger("remp.controller")
 
 
 async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> int:
+                stop: asyncio.Event | None = None, watchdog_s: float | None = None) -> int:
     from remp.redisproc import RedisServer, redact_url
 
     private = None
@@ -98,19 +98,21 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
             ready.set()
         await stop.wait()
     finally:
+        log.info("controller.stopping")
+        down = Shutdown(log, "controller", watchdog_s=watchdog_s)
         if monitor is not None:
             monitor.cancel()
-            await asyncio.gather(monitor, return_exceptions=True)
-        await set_serving(health, [SERVICE_NAME], False)
-        await server.stop(grace=2)
-        await core.stop()
-        await agents.close()
+            await down.step("redis_monitor", asyncio.gather(monitor, return_exceptions=True))
+        await down.step("health", set_serving(health, [SERVICE_NAME], False))
+        await down.step("grpc_server", server.stop(grace=2))
+        await down.step("core", core.stop())
+        await down.step("agent_channels", agents.close())
         for st in (store, leases, reads, events, pinger):
-            await st.close()
+            await down.step(f"redis_{st.lane}", st.close())
         if private is not None:
-            private.stop()
+            down.sync("private_redis", private.stop)
         if msrv is not None:
-            msrv.stop()
+            down.sync("metrics", msrv.stop)
         log.info("controller.stopped")
     return 0
 
@@ -134,4 +136,5 @@ async def _watch_redis(pinger: Store, health, period: float, ok: bool, m) -> Non
 
 
 def main(s: ControllerSettings) -> int:
-    return asyncio.run(serve(s))
+    # the process's own: its stop is bounded (15 s, inside remp up's 20 s grace)
+    return asyncio.run(serve(s, watchdog_s=15.0))

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from controller.convert import from_json, to_json
 from controller.model import Event, Registration
@@ -161,6 +163,17 @@ return 1
 """
 
 
+# A pooled connection left over from before a Redis restart answers its first command with
+# "Connection closed by server". Before a connection idle for more than a second is used it is
+# PINGed, and a failed PING (or a command failing to reach the server on a dead socket) gets ONE
+# reconnect: the pool heals itself after Redis comes back instead of failing one call per
+# pooled connection (found: a lost node's recovery died on one). Only connection errors are
+# retried, never timeouts (a timed-out script may have run).
+STALE_CONNECTION_RECOVERY = dict(
+    health_check_interval=1.0,
+    retry=Retry(NoBackoff(), 1, supported_errors=(aioredis.ConnectionError,)))
+
+
 @dataclass
 class SwitchRow:
     switch_id: str
@@ -186,7 +199,8 @@ class Store:
         self.url, self.p, self.lane = redact_url(url), prefix, lane  # never the password
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_timeout, decode_responses=True,
-            socket_timeout=socket_timeout, socket_connect_timeout=min(2.0, socket_timeout))
+            socket_timeout=socket_timeout, socket_connect_timeout=min(2.0, socket_timeout),
+            **STALE_CONNECTION_RECOVERY)
         self.r = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
         self._scripts = {name: self.r.register_script(src) for name, src in (
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),

@@ -706,6 +706,9 @@ class Stack:
             rc, k = c.stop()
             killed += k
             self.say(f"stopped {c.name} (exit {rc})" + (f", killed {k}" if k else ""))
+            if k or rc not in (0, None):  # say why, from its own log (it holds no secret)
+                self.say(f"{c.name} did not stop cleanly; the end of {c.log_path}:\n"
+                         + "\n".join("    " + ln for ln in c.tail(25).splitlines()))
         if self.redis is not None:
             self.redis.stop()
             self.say("stopped redis")

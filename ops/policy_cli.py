@@ -215,7 +215,7 @@ def cmd_serve(args) -> int:
     from policy import server
 
     try:
-        return asyncio.run(server.serve(settings))
+        return asyncio.run(server.serve(settings, watchdog_s=15.0))
     except ConfigError as exc:
         return _fail(str(exc))
     except OSError as exc:

@@ -18,7 +18,7 @@ from remp import logs, metrics
 from remp.auth import Credentials, Role
 from remp.redisproc import redact_url
 from remp.errors import ConfigError
-from remp.grpc_util import make_server, set_serving
+from remp.grpc_util import Shutdown, make_server, set_serving
 from remp.policy.v1 import policy_pb2_grpc
 
 SERVICE_NAME = "remp.policy.v1.Policy"
@@ -44,7 +44,8 @@ def build_service(s: PolicySettings, creds: Credentials
 
 
 async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, bound: list[int] | None = None) -> int:
+                stop: asyncio.Event | None = None, bound: list[int] | None = None,
+                watchdog_s: float | None = None) -> int:
     creds = Credentials.load(s.credentials_file)
     creds.require_for_server("remp policy serve")
     svc, ctl, store = build_service(s, creds)
@@ -78,14 +79,16 @@ async def serve(s: PolicySettings, ready: asyncio.Event | None = None,
         await stop.wait()
     finally:
         stop.set()
-        await set_serving(health, [SERVICE_NAME], False)
+        log.info("policy.stopping")
+        down = Shutdown(log, "policy", watchdog_s=watchdog_s)
+        await down.step("health", set_serving(health, [SERVICE_NAME], False))
         if ticker is not None:
-            await ticker
-        await server.stop(grace=2)
-        await ctl.close()
+            await down.step("ticker", ticker)
+        await down.step("grpc_server", server.stop(grace=2))
+        await down.step("controller_channel", ctl.close())
         if store is not None:
-            await store.close()
+            await down.step("redis", store.close())
         if msrv is not None:
-            msrv.stop()
+            down.sync("metrics", msrv.stop)
         log.info("policy.stopped")
     return 0

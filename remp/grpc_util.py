@@ -131,3 +131,41 @@ def rpc_errors_stream(fn: Callable) -> Callable:
             await context.abort(status_for(exc), str(exc))
 
     return stream
+
+
+# ------------------------------------------------------------------------------ shutdown
+
+class Shutdown:
+    """A service's stop, bounded and explained: each step gets ``step_s`` seconds (a step that
+    hangs is logged by name and skipped), and a watchdog armed when the stop begins dumps every
+    thread's stack to stderr (the service's log) and exits the process if it is still alive
+    ``watchdog_s`` seconds later — interpreter exit included (a non-daemon thread, the default
+    executor; only ``main()`` arms it). A supervisor's SIGKILL is then never needed, and when the watchdog fires the log
+    says where the process was stuck."""
+
+    def __init__(self, log, service: str, step_s: float = 5.0, watchdog_s: float | None = None):
+        import faulthandler
+        import sys
+
+        self.log, self.service, self.step_s = log, service, step_s
+        if watchdog_s:  # only where the service owns the process (never in a test's process)
+            faulthandler.dump_traceback_later(watchdog_s, exit=True, file=sys.stderr)
+
+    async def step(self, name: str, aw) -> None:
+        import asyncio
+
+        try:
+            await asyncio.wait_for(aw, self.step_s)
+        except asyncio.TimeoutError:
+            pending = [t.get_coro().__qualname__ for t in asyncio.all_tasks()
+                       if t is not asyncio.current_task()]
+            self.log.error(f"{self.service}.stop_step_timed_out", step=name,
+                           seconds=self.step_s, pending_tasks=pending[:20])
+        except Exception as exc:  # noqa: BLE001 - a failing step must not stop the others
+            self.log.warning(f"{self.service}.stop_step_failed", step=name, error=repr(exc))
+
+    def sync(self, name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning(f"{self.service}.stop_step_failed", step=name, error=repr(exc))

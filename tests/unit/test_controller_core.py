@@ -319,6 +319,42 @@ async def test_a_lost_nodes_journal_is_recomputed_elsewhere(core, agent):
     assert recs[0].decision.action is RecoveryAction.RECOMPUTE
 
 
+async def test_a_lost_nodes_recovery_is_retried_while_redis_is_unreachable(core, agent):
+    """Redis failing under the recovery (a restart) neither drops the journal nor hands a
+    request out twice: the second attempt skips what the first already handed out."""
+    await core.register(registration("n2"))
+    await core.heartbeat(Heartbeat(node="n1", inflight=tuple(
+        InflightRequest(request_id=f"j{i}", prompt_token_ids=(1, 2), max_tokens=4)
+        for i in range(2))))
+    await core.store.expire("n1", time.time() + 3600, core._event(EventType.NODE_LOST, "n1"))
+
+    async def unreachable(address, timeout=2.0):
+        raise Unavailable("gone")
+    agent.check_serving = unreachable
+    rec = core.recovery
+    real_inflight, real_record = rec.store.inflight, rec._record
+    fails = {"inflight": 1, "record": 1}
+
+    async def flaky_inflight(node):
+        if fails["inflight"]:
+            fails["inflight"] -= 1
+            raise Unavailable("redis unavailable: Connection closed by server.")
+        return await real_inflight(node)
+
+    async def flaky_record(r, *a):
+        if r.request_id == "j1" and fails["record"]:
+            fails["record"] -= 1
+            raise Unavailable("redis unavailable: Connection closed by server.")
+        return await real_record(r, *a)
+    rec.store.inflight, rec._record = flaky_inflight, flaky_record
+    try:
+        assert await rec.recover_lost_retrying("n1") == 2
+    finally:
+        del rec.store.inflight, rec._record
+    assert sorted(o.request_id for o in agent.called("import_request")) == ["j0", "j1"]
+    assert fails == {"inflight": 0, "record": 0} and not rec._handed
+
+
 # ---------------------------------------------------------------------------- the mapping
 def _populate(msg, depth: int = 0) -> None:
     """Every field of ``msg`` set to a non-default value (submessages recursively)."""
