@@ -52,8 +52,10 @@ def test_remp_profile_measures_the_prefill_table(agent, tmp_path):
         assert m["ttft_min_s"] <= m["ttft_median_s"] <= m["ttft_max_s"]
         # the engine's prefill is part of the time to first token the client saw
         assert m["engine_median_s"] <= m["ttft_median_s"]
-    # 32x the tokens cost more prefill (engine time: no HTTP noise in it)
-    assert raw[-1]["engine_median_s"] > raw[0]["engine_median_s"]
+    # 32x the tokens cost more prefill (engine time: no HTTP noise in it). The fastest sample of
+    # each length: a median of 3 on a shared 2-core CI box once read 0.129 s for 16 tokens
+    # against 0.038 s for 511 (another engine's workers were busy beside it).
+    assert raw[-1]["engine_min_s"] > raw[0]["engine_min_s"]
     assert f"prefill table (3 lengths, TP1PP1) written to {out}" in r.stdout
     assert r.stdout.count("cheaper above") == 3
     print(json.dumps({"points": table.points, "measurements": raw}, indent=1))

@@ -15,8 +15,8 @@ from tests.helpers import (AgentProcess, disarm, execute_switch, prompt, stream_
 pytestmark = pytest.mark.e2e
 
 N_REQ = 3
-MAX_TOKENS = 300  # long enough that every stream is still decoding when the switch starts
-TWENTY_TOKENS = 100  # per request in the twenty-switch run
+MAX_TOKENS = 160  # the start gate switches with all decoding; 160 outlast the switch (~1 s)
+TWENTY_TOKENS = 48  # per request in the twenty-switch run
 PROMPTS = [prompt(i) for i in range(N_REQ)]
 LATE = [prompt(10 + i, 40) for i in range(2)]
 _ids = itertools.count()
