@@ -102,10 +102,11 @@ class AgentProcess:
                "--tp", str(self.tp), "--pp", str(self.pp), "--dtype", self.dtype,
                "--node", self.node, "--grpc-port", str(self.grpc_port),
                "--http-port", str(self.http_port), "--device", "cpu",
-               "--served-model-name", "tiny", *self.extra]
+               "--served-model-name", "tiny"]
         if self.worker_spin is not None and not any(
                 a.split("=", 1)[0] == "--worker-spin-seconds" for a in self.extra):
             cmd += ["--worker-spin-seconds", str(self.worker_spin)]
+        cmd += self.extra  # last: it may end with ``-- <vLLM args>``
         self._log = open(self.log_path, "w")
         nice = self.nice
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -136,7 +137,9 @@ class AgentProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited rc={self.proc.returncode}:\n{self.log_tail()}")
+                rc, tail = self.proc.returncode, self.log_tail()
+                self.stop()  # closes its log (else an unraisable ResourceWarning in a later test)
+                raise RuntimeError(f"agent exited rc={rc}:\n{tail}")
             try:
                 h = self.health()
                 if not self.seen_health or self.seen_health[-1] != h:

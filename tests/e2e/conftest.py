@@ -26,3 +26,22 @@ def plain_tp1_agent(plain_tp1_started):
     """The plain TP1PP1 agent, ready. Read-only for its users (completions, ``remp profile``):
     test_agent_e2e (the native TP1PP1 outputs) and test_prefill_profile_e2e."""
     return plain_tp1_started.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def tp2_started(tiny_model, artifacts_dir):
+    """TP2PP1 fp32 with the fault-injection service (its start gate and faults), started but not
+    yet waited for: test_agent_e2e observes its start (health before ready) and reads its facts
+    while it still serves its native topology; test_switch_e2e then switches it, over and over.
+    One engine for both (a start is 40-90 s on 2 cores). Tests use ``tp2_agent``."""
+    a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
+                     node="e2e-tp2", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
+    a.start()
+    yield a
+    rc, orphans = a.stop()
+    assert rc == 0 and not orphans, a.log_tail()
+
+
+@pytest.fixture(scope="session")
+def tp2_agent(tp2_started):
+    return tp2_started.wait_ready()

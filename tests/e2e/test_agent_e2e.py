@@ -41,15 +41,12 @@ def native(tiny_model, artifacts_dir):
 
 
 @pytest.fixture(scope="module")
-def tp2_agent(tiny_model, artifacts_dir, native, plain_tp1_started):
-    """TP2PP1 fp32 agent; observed from the moment it starts (health before ready). The other
-    engines of this module start meanwhile (``native``, ``plain_tp1_started``)."""
-    a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir, node="e2e-tp2")
-    a.start().wait_ready()
-    yield a
-    rc, orphans = a.stop()
-    assert rc == 0, a.log_tail()
-    assert orphans == []
+def tp2_agent(tp2_started, native, plain_tp1_started):
+    """The session's TP2PP1 fp32 agent (tests/e2e/conftest.py; test_switch_e2e switches it
+    later), observed from the moment it starts (health before ready). The other engines of this
+    module start meanwhile (``native``, ``plain_tp1_started``); its stop (exit code, no
+    orphans) is checked when the session ends."""
+    return tp2_started.wait_ready()
 
 
 def as_controller() -> list[str]:
@@ -187,16 +184,19 @@ def test_bf16_serves_every_topology(native):
     assert rc == 0 and orphans == []
 
 
-def test_fault_injection_needs_the_setting(tp2_agent):
+def test_fault_injection_needs_the_setting(tp2_agent, plain_tp1_agent):
     # the production messages carry no test-only fields
     r = grpcurl("-plaintext", *as_controller(), "-d",
                 '{"target": {"tp": 1, "pp": 2}, "fail_at_phase": "PHASE_QUIESCING"}',
                 tp2_agent.grpc_addr, "remp.node_agent.v1.NodeAgent/ExecuteSwitch")
     assert r.returncode != 0 and "fail_at_phase" in r.stderr
-    # and an agent without the setting serves no FaultInjection service
+    # the service exists only with the setting (the TP2PP1 agent has it) ...
     r = grpcurl("-plaintext", tp2_agent.grpc_addr, "list")
+    assert r.returncode == 0 and "remp.node_agent.v1.FaultInjection" in r.stdout
+    # ... and an agent without it (the session's plain TP1PP1 one) serves none
+    r = grpcurl("-plaintext", plain_tp1_agent.grpc_addr, "list")
     assert r.returncode == 0 and "remp.node_agent.v1.NodeAgent" in r.stdout
     assert "FaultInjection" not in r.stdout
     with pytest.raises(grpc.RpcError) as e:
-        asyncio.run(arm_switch(tp2_agent.grpc_addr, start_when_running=2))
+        asyncio.run(arm_switch(plain_tp1_agent.grpc_addr, start_when_running=2))
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -31,14 +31,13 @@ from remp.auth import Credentials, Role, aio_channel
 from remp.common.v1 import types_pb2 as T
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
-from tests.helpers import AgentProcess, arm_migration, free_port, prompt, stream_completion
+from tests.helpers import AgentProcess, arm_migration, prompt, stream_completion
 from tests.tlscerts import TestCA
 
 pytestmark = pytest.mark.e2e
 
 API_KEY = "sec-openai-key-0123456789"
 HTTP_AUTH = {"Authorization": f"Bearer {API_KEY}"}
-GOOD_PORT, ROGUE_PORT, OTHER_PORT = free_port(), free_port(), free_port()
 RELAYED = [100, 101, 102]  # what the stand-in target "generates"
 
 
@@ -48,6 +47,7 @@ class RecordingTarget(node_agent_pb2_grpc.NodeAgentServicer):
 
     def __init__(self):
         self.calls: list[dict] = []
+        self.addr = ""  # host:port, once bound (_server)
 
     def ImportRequest(self, request_iterator, context):
         chunks = list(request_iterator)
@@ -59,14 +59,16 @@ class RecordingTarget(node_agent_pb2_grpc.NodeAgentServicer):
         yield pb.ImportEvent(token_ids=RELAYED[1:], finished=True, finish_reason="length")
 
 
-def _server(port: int, creds: grpc.ServerCredentials | None):
+def _server(creds: grpc.ServerCredentials | None):
+    """Bound to a port of the kernel's choice here (a port picked at import time was seen
+    taken by the time the module ran); ``target.addr`` is where it listens."""
     target = RecordingTarget()
     server = grpc.server(ThreadPoolExecutor(4))
     node_agent_pb2_grpc.add_NodeAgentServicer_to_server(target, server)
-    addr = f"127.0.0.1:{port}"
-    bound = (server.add_secure_port(addr, creds) if creds is not None
-             else server.add_insecure_port(addr))
-    assert bound == port
+    port = (server.add_secure_port("127.0.0.1:0", creds) if creds is not None
+            else server.add_insecure_port("127.0.0.1:0"))
+    assert port > 0
+    target.addr = f"127.0.0.1:{port}"
     server.start()
     return server, target
 
@@ -90,19 +92,19 @@ def targets(pki):
         cert, key = cert_key
         return grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())],
                                            root_certificates=ca, require_client_auth=True)
-    servers = {"good": _server(GOOD_PORT, tls(pki["target"])),
-               "rogue": _server(ROGUE_PORT, tls(pki["rogue_target"])),
-               "other": _server(OTHER_PORT, None)}
+    servers = {"good": _server(tls(pki["target"])),
+               "rogue": _server(tls(pki["rogue_target"])),
+               "other": _server(None)}
     yield {k: t for k, (_, t) in servers.items()}
     for s, _ in servers.values():
         s.stop(0)
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model, artifacts_dir, pki):
+def agent(tiny_model, artifacts_dir, pki, targets):
     cert, key = pki["agent"]
     env = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1", "VLLM_API_KEY": API_KEY,
-           "REMP_AGENT_MIGRATION_PEERS": f"127.0.0.1:{GOOD_PORT},127.0.0.1:{ROGUE_PORT}",
+           "REMP_AGENT_MIGRATION_PEERS": f"{targets['good'].addr},{targets['rogue'].addr}",
            "REMP_AGENT_PEER_TLS_CA": str(pki["ca"].cert_path),
            "REMP_AGENT_TLS_CLIENT_CERT": str(cert), "REMP_AGENT_TLS_CLIENT_KEY": str(key),
            "REMP_AGENT_MAX_ENGINE_RESTARTS": "1"}
@@ -282,13 +284,13 @@ def _migrate(agent, md=None, **kw):
 def test_migrate_request_goes_only_to_allowed_targets(agent, targets):
     cases = [
         # not a peer, and no controller to ask: nothing is sent
-        ({"target_address": f"127.0.0.1:{OTHER_PORT}"}, None,
+        ({"target_address": targets["other"].addr}, None,
          grpc.StatusCode.FAILED_PRECONDITION, "not one of this agent's migration peers"),
         # a peer whose certificate is not from our CA: the TLS handshake fails
-        ({"target_address": f"127.0.0.1:{ROGUE_PORT}"}, None, grpc.StatusCode.UNAVAILABLE,
+        ({"target_address": targets["rogue"].addr}, None, grpc.StatusCode.UNAVAILABLE,
          "certificate"),
         # roles: an agent may not move requests; anonymous callers may do nothing
-        ({"target_address": f"127.0.0.1:{GOOD_PORT}"}, token(Role.AGENT),
+        ({"target_address": targets["good"].addr}, token(Role.AGENT),
          grpc.StatusCode.PERMISSION_DENIED, "not allowed for role agent"),
         ({"target_address": "no-port"}, None, grpc.StatusCode.INVALID_ARGUMENT, "host:port"),
     ]
@@ -305,7 +307,7 @@ def test_migrated_request_is_relayed_over_mtls_with_the_agents_credential(agent,
         async with httpx.AsyncClient(timeout=300, headers=HTTP_AUTH) as c, \
                 aio_channel(agent.grpc_addr, Credentials.load().only(Role.OPERATOR)) as ch:
             call = node_agent_pb2_grpc.NodeAgentStub(ch).MigrateRequest(pb.MigrateRequestRequest(
-                target_address=f"127.0.0.1:{GOOD_PORT}", target_node="target-ok",
+                target_address=targets["good"].addr, target_node="target-ok",
                 mode=pb.RECOVERY_MODE_RECOMPUTE), timeout=300)
             await asyncio.sleep(0.2)  # the agent's gate waits for the request below
             client = asyncio.create_task(c.post(f"{agent.http}/v1/completions", json={

@@ -32,7 +32,7 @@ from remp.common.v1 import types_pb2 as T
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
 from remp.recovery import PrefillTable, crossover_bandwidth
-from tests.helpers import AgentProcess, arm_migration, free_port, prompt, stream_completion
+from tests.helpers import AgentProcess, arm_migration, prompt, stream_completion
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,6 @@ MAX_TOKENS = 200
 PROMPT = prompt(3)
 FI = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
 API_KEY = "test-openai-key-0123456789"  # A's OpenAI API (vLLM --api-key)
-DYING_PORT = free_port()  # the dying target's port: one of A's migration peers
 
 
 def api_client(**kw) -> httpx.AsyncClient:
@@ -53,23 +52,42 @@ def agent_channel(addr: str) -> grpc.aio.Channel:
 
 
 @pytest.fixture(scope="module")
-def agents(tiny_model, artifacts_dir):
+def dying():
+    """A target agent whose engine dies after its first continuation token (one of A's
+    migration peers): bound where the kernel chooses before A starts (a port picked at import
+    time can be taken by the time the module runs); only the dying-target test calls it."""
+    server = grpc.server(ThreadPoolExecutor(2))
+    node_agent_pb2_grpc.add_NodeAgentServicer_to_server(_TargetThatDies(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    assert port > 0
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def agents(tiny_model, artifacts_dir, plain_tp1_agent, dying):
+    # B's prefill table (A's recovery decision reads it), measured on the session's plain TP1PP1
+    # fp32 engine: the same model, topology and dtype as B, already running, so that A and B
+    # start at once instead of A waiting for B's start and its profile
+    table = artifacts_dir / "prefill-mig-b.json"
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "profile", "--agent",
+                        plain_tp1_agent.grpc_addr, "--out", str(table),
+                        "--lengths", "16,128,256,511", "--repeats", "3"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
     b = AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir, node="mig-b",
                      env=FI, extra=["--no-world-changes", "--request-migration",
                                     "--worker-spin-seconds", "0.02"])
-    b.start().wait_ready()
-    table = artifacts_dir / "prefill-mig-b.json"
-    r = subprocess.run([sys.executable, "-m", "ops.cli", "profile", "--agent", b.grpc_addr,
-                        "--out", str(table), "--lengths", "16,128,256,511", "--repeats", "3"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir, node="mig-a",
-                     env={**FI, "REMP_AGENT_MIGRATION_PEERS":
-                          f"{b.grpc_addr},127.0.0.1:{DYING_PORT}"},
+                     env={**FI, "REMP_AGENT_MIGRATION_PEERS": f"{b.grpc_addr},{dying}"},
                      extra=["--no-warm-up-candidates", "--request-migration", "--prefill-table",
                             str(table), "--worker-spin-seconds", "0.02",
                             "--", "--api-key", API_KEY])
-    a.start().wait_ready()
+    b.start()
+    a.start()
+    b.wait_ready()
+    a.wait_ready()
     yield a, b, PrefillTable.loads(table.read_text())
     for x in (a, b):
         rc, orphans = x.stop()
@@ -247,19 +265,12 @@ class _TargetThatDies(node_agent_pb2_grpc.NodeAgentServicer):
         context.abort(grpc.StatusCode.UNAVAILABLE, "target engine died")
 
 
-def test_target_failing_mid_relay_ends_the_client_with_a_retryable_error(agents, reference):
+def test_target_failing_mid_relay_ends_the_client_with_a_retryable_error(agents, reference,
+                                                                          dying):
     a, _, _ = agents
-    server = grpc.server(ThreadPoolExecutor(2))
-    node_agent_pb2_grpc.add_NodeAgentServicer_to_server(_TargetThatDies(), server)
-    port = server.add_insecure_port(f"127.0.0.1:{DYING_PORT}")
-    assert port == DYING_PORT
-    server.start()
     codes: list = []
-    try:
-        got, _, _, _, errors = migrate(a, SimpleNamespace(grpc_addr=f"127.0.0.1:{port}"),
-                                       mode=pb.RECOVERY_MODE_RECOMPUTE, rpc_errors=codes)
-    finally:
-        server.stop(0)
+    got, _, _, _, errors = migrate(a, SimpleNamespace(grpc_addr=dying),
+                                   mode=pb.RECOVERY_MODE_RECOMPUTE, rpc_errors=codes)
     assert codes == [grpc.StatusCode.UNAVAILABLE]
     assert len(errors) == 1 and errors[0]["code"] == 503, errors
     assert got and len(got) < len(reference)

@@ -9,7 +9,7 @@ import pytest
 
 from remp.common.v1 import types_pb2
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
-from tests.helpers import (AgentProcess, disarm, execute_switch, prompt, stream_completion,
+from tests.helpers import (disarm, execute_switch, prompt, stream_completion,
                            switch_under_load)
 
 pytestmark = pytest.mark.e2e
@@ -23,18 +23,16 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model, artifacts_dir):
-    a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
-                     node="e2e-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
-    a.start().wait_ready()
+def agent(tp2_agent):
+    """The session's TP2PP1 fp32 agent with fault injection (tests/e2e/conftest.py; stopped and
+    checked when the session ends)."""
+    a = tp2_agent
     # a first round trip with no load: the first switch of an engine's life pays one-time costs
     # (in CI its streams were seen to finish before it quiesced); the tests measure later ones
     for tp, pp in ((1, 2), (2, 1)):
         _, rec = asyncio.run(execute_switch(a.grpc_addr, tp, pp, switch_id=f"warm-{tp}{pp}"))
         assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED, rec.error.message
     yield a
-    rc, orphans = a.stop()
-    assert rc == 0 and orphans == [], a.log_tail()
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +40,11 @@ def reference(agent):
     """Greedy outputs of an uninterrupted run (no switch)."""
     async def go():
         async with httpx.AsyncClient(timeout=300) as c:
-            main = [await stream_completion(c, agent.http, p, MAX_TOKENS) for p in PROMPTS]
-            late = [await stream_completion(c, agent.http, p, 16) for p in LATE]
-        return main, late
+            # at once (greedy fp32: the same tokens as one by one, as the switched runs are)
+            main = await asyncio.gather(*(stream_completion(c, agent.http, p, MAX_TOKENS)
+                                          for p in PROMPTS))
+            late = await asyncio.gather(*(stream_completion(c, agent.http, p, 16) for p in LATE))
+        return list(main), list(late)
     return asyncio.run(go())
 
 
@@ -83,7 +83,8 @@ def test_control_without_kv_migration_diverges(agent):
 
     async def ref():
         async with httpx.AsyncClient(timeout=300) as c:
-            return [await stream_completion(c, agent.http, p, MAX_TOKENS) for p in prompts]
+            return await asyncio.gather(*(stream_completion(c, agent.http, p, MAX_TOKENS)
+                                          for p in prompts))
     reference = asyncio.run(ref())
     cur = agent.describe().topology
     target = (1, 2) if cur.pp == 1 else (2, 1)
@@ -197,7 +198,8 @@ def test_get_switch_returns_the_record(agent):
 def test_twenty_consecutive_switches(agent, artifacts_dir):
     async def go():
         async with httpx.AsyncClient(timeout=300) as c:
-            return [await stream_completion(c, agent.http, p, TWENTY_TOKENS) for p in PROMPTS]
+            return list(await asyncio.gather(*(stream_completion(c, agent.http, p, TWENTY_TOKENS)
+                                               for p in PROMPTS)))
     ref_short = asyncio.run(go())
     rss = []
     for i in range(20):

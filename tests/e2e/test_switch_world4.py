@@ -24,7 +24,8 @@ def test_all_six_pairs_token_exact(tiny_model, artifacts_dir):
     with a:
         async def ref():
             async with httpx.AsyncClient(timeout=600) as c:
-                return [await stream_completion(c, a.http, p, MAX_TOKENS) for p in PROMPTS]
+                return list(await asyncio.gather(*(stream_completion(c, a.http, p, MAX_TOKENS)
+                                                   for p in PROMPTS)))
         reference = asyncio.run(ref())
         pairs = []
         for i, (tp, pp) in enumerate(ROUTE[1:]):
