@@ -271,6 +271,24 @@ class Action(str, Enum):
     ABORT = "ABORT"
 
 
+class KvFormat(str, Enum):
+    """How a MIGRATE sends the KV: at the engine's width, or INT8 with per-(layer, block, KV head)
+    scales (dequantised on the target: not token-exact; ``node_agent.kv.int8``)."""
+
+    FULL = "full"
+    INT8 = "int8"
+
+
+def int8_payload_bytes(kv_bytes: int, dtype_bytes: int, group_elements: int) -> int:
+    """The INT8 payload of ``kv_bytes`` of KV stored at ``dtype_bytes`` per element: one byte per
+    element plus one float32 scale per ``group_elements`` elements (a block × KV head: block size
+    × 2 (K and V) × head size). bf16: 2 / (1 + 4 / group) ≈ 1.99× smaller at 1,024 elements."""
+    if dtype_bytes <= 0 or group_elements <= 0:
+        raise ValueError("dtype_bytes and group_elements must be positive")
+    elements = kv_bytes // dtype_bytes
+    return elements + 4 * -(-elements // group_elements)
+
+
 class Reason(str, Enum):
     """Why a request got its action (stable codes for events and metrics)."""
 
@@ -291,8 +309,17 @@ class RecoveryConfig:
     max_concurrent_migrations: int = 32
     bandwidth_cap_bps: float | None = None
     min_retry_after_s: int = 1
+    # INT8 KV for a MIGRATE: "off" (full width), "on" (INT8 whenever the request has an INT8
+    # size), "auto" (INT8 when it is predicted faster, codec time included; a tie sends full)
+    kv_int8: str = "off"
+    # quantise + dequantise seconds per byte of full-width KV (measured on the hosts)
+    int8_codec_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.kv_int8 not in ("off", "on", "auto"):
+            raise ValueError(f"kv_int8 must be off, on or auto, got {self.kv_int8!r}")
+        if not self.int8_codec_s_per_byte >= 0:
+            raise ValueError("int8_codec_s_per_byte must be >= 0")
         if self.max_concurrent_migrations < 0:
             raise ValueError("max_concurrent_migrations must be >= 0")
         if self.bandwidth_cap_bps is not None and not self.bandwidth_cap_bps > 0:
@@ -306,7 +333,8 @@ class DisplacedRequest:
     """A request whose KV must leave its place. ``tokens``: what a recompute prefills (prompt +
     generated so far); ``budget_s``: seconds its recovery may take and still meet its SLO (None:
     no SLO; see :func:`slo_budget`); ``remaining_tokens``: decode work left; ``src``/``dst``:
-    the hosts the KV would move between (selects the bandwidth estimate)."""
+    the hosts the KV would move between (selects the bandwidth estimate); ``int8_bytes``: its
+    INT8 payload (:func:`int8_payload_bytes`), None when it cannot be sent as INT8."""
 
     request_id: str
     kv_bytes: int
@@ -315,10 +343,13 @@ class DisplacedRequest:
     remaining_tokens: int = 0
     src: str = ""
     dst: str = ""
+    int8_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bytes < 0 or self.tokens < 0 or self.remaining_tokens < 0:
             raise ValueError(f"{self.request_id}: bytes and token counts must be >= 0")
+        if self.int8_bytes is not None and self.int8_bytes < 0:
+            raise ValueError(f"{self.request_id}: int8_bytes must be >= 0")
         if self.budget_s is not None and math.isnan(self.budget_s):
             raise ValueError(f"{self.request_id}: budget is NaN")
 
@@ -328,7 +359,9 @@ class Decision:
     """One request's recovery decision, as recorded in the event stream (:meth:`to_event`).
 
     ``wait_s``: for a MIGRATE, how long it waits for a migration slot (0: starts now).
-    ``retry_after_s``: for an ABORT, the Retry-After to send (whole seconds)."""
+    ``retry_after_s``: for an ABORT, the Retry-After to send (whole seconds).
+    ``kv_format`` / ``payload_bytes``: how a MIGRATE would send the KV and how many bytes
+    (``migrate_s`` is that format's cost)."""
 
     request_id: str
     action: Action
@@ -342,6 +375,8 @@ class Decision:
     wait_s: float = 0.0
     retry_after_s: int | None = None
     detail: str = ""
+    kv_format: KvFormat = KvFormat.FULL
+    payload_bytes: int = 0
 
     @property
     def retryable(self) -> bool:
@@ -362,7 +397,8 @@ class Decision:
                 "recompute_s": self.recompute_s, "bandwidth_bps": _finite(self.bandwidth_bps),
                 "kv_bytes": self.kv_bytes, "tokens": self.tokens, "budget_s": self.budget_s,
                 "wait_s": self.wait_s, "retry_after_s": self.retry_after_s,
-                "retryable": self.retryable, "detail": self.detail}
+                "retryable": self.retryable, "detail": self.detail,
+                "kv_format": self.kv_format.value, "payload_bytes": self.payload_bytes}
 
 
 def _finite(x: float) -> float | None:
@@ -379,7 +415,9 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
     """Decide migrate / recompute / abort for each displaced request (returned in input order).
 
     Costs: ``C_mig = kv_bytes / bw`` with ``bw = min(estimate(src, dst), cfg.bandwidth_cap_bps)``,
-    ``C_recomp = prefill.seconds(tokens)``. A path *meets the budget* when its cost (plus any
+    ``C_recomp = prefill.seconds(tokens)``. With ``cfg.kv_int8`` "on" (or "auto" and cheaper) a
+    request with an ``int8_bytes`` migrates as INT8: ``C_mig = int8_bytes / bw + kv_bytes ×
+    cfg.int8_codec_s_per_byte`` (the decision's ``kv_format``, ``payload_bytes``). A path *meets the budget* when its cost (plus any
     wait for a slot) is <= ``budget_s``; ``budget_s=None`` always meets it.
 
     1. The cheaper path is wanted; a tie wants MIGRATE (the crossover: :func:`prefers_migration`).
@@ -406,17 +444,29 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
         if not est > 0:
             raise ValueError(f"bandwidth must be positive, got {est}")
         bw = effective_bandwidth(est, cfg.bandwidth_cap_bps)
-        c_mig = r.kv_bytes / bw
+        c_mig, fmt, payload = r.kv_bytes / bw, KvFormat.FULL, r.kv_bytes
+        if cfg.kv_int8 != "off" and r.int8_bytes is not None:
+            c_int8 = r.int8_bytes / bw + r.kv_bytes * cfg.int8_codec_s_per_byte
+            if cfg.kv_int8 == "on" or c_int8 < c_mig:
+                c_mig, fmt, payload = c_int8, KvFormat.INT8, r.int8_bytes
         c_rec = prefill.seconds(r.tokens)
-        rows.append((i, r, bw, c_mig, c_rec))
+        rows.append((i, r, bw, c_mig, c_rec, fmt, payload))
+
+    def base_of(row) -> dict:
+        _, r, bw, c_mig, c_rec, fmt, payload = row
+        return dict(request_id=r.request_id, migrate_s=c_mig, recompute_s=c_rec, bandwidth_bps=bw,
+                    kv_bytes=r.kv_bytes, tokens=r.tokens, budget_s=r.budget_s, kv_format=fmt,
+                    payload_bytes=payload)
 
     out: list[Decision | None] = [None] * len(rows)
     wants_slot = []  # (needs a migration: recompute misses the budget, index)
-    for i, r, bw, c_mig, c_rec in rows:
-        base = dict(request_id=r.request_id, migrate_s=c_mig, recompute_s=c_rec, bandwidth_bps=bw,
-                    kv_bytes=r.kv_bytes, tokens=r.tokens, budget_s=r.budget_s)
+    for row in rows:
+        i, r, bw, c_mig, c_rec, fmt, _ = row
+        base = base_of(row)
         mig_ok, rec_ok = _fits(c_mig, r.budget_s), _fits(c_rec, r.budget_s)
-        prefer_mig = prefers_migration(r.kv_bytes, bw, c_rec)
+        # full width: the exact crossover (:func:`prefers_migration`); INT8: its own cost
+        prefer_mig = (prefers_migration(r.kv_bytes, bw, c_rec) if fmt is KvFormat.FULL
+                      else c_mig <= c_rec)
         if prefer_mig and mig_ok:
             wants_slot.append((not rec_ok, i))
         elif rec_ok:
@@ -440,13 +490,12 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
 
     def slot_order(item):
         needs, i = item
-        _, _, _, c_mig, c_rec = rows[i]
+        c_mig, c_rec = rows[i][3], rows[i][4]
         return (not needs, -(c_rec - c_mig), i)
 
     for needs, i in sorted(wants_slot, key=slot_order):
-        _, r, bw, c_mig, c_rec = rows[i]
-        base = dict(request_id=r.request_id, migrate_s=c_mig, recompute_s=c_rec, bandwidth_bps=bw,
-                    kv_bytes=r.kv_bytes, tokens=r.tokens, budget_s=r.budget_s)
+        _, r, bw, c_mig, c_rec, _, _ = rows[i]
+        base = base_of(rows[i])
         start = occupied[0] if occupied else math.inf  # when the earliest slot frees
         if free_now > 0:
             free_now -= 1
