@@ -33,7 +33,8 @@ def tp2_started(tiny_model, artifacts_dir):
     """TP2PP1 fp32 with the fault-injection service (its start gate and faults), started but not
     yet waited for: test_agent_e2e observes its start (health before ready) and reads its facts
     while it still serves its native topology; test_switch_e2e then switches it, over and over.
-    One engine for both (a start is 40-90 s on 2 cores). Tests use ``tp2_agent``."""
+    One engine for both (a start is 40-90 s on 2 cores); test_switch_e2e stops it when it ends
+    (files run in name order: test_agent_e2e first). Tests use ``tp2_agent``."""
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
                      node="e2e-tp2", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
     a.start()
