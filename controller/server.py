@@ -31,12 +31,14 @@ log = logs.get_logger("remp.controller")
 
 async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None, watchdog_s: float | None = None) -> int:
-    from remp.redisproc import RedisServer, redact_url
+    from remp.redisproc import RedisServer, die_with_parent, redact_url
 
     private = None
     url = s.redis_url
     if not url:
-        private = RedisServer(generate_password=True).start()
+        # dies with this process even when it is SIGKILLed (seen: private redis-servers left
+        # running by controllers that did not stop cleanly)
+        private = RedisServer(generate_password=True).start(preexec_fn=die_with_parent)
         url = private.url
         log.warning("controller.private_redis", url=redact_url(url),
                     note="state lives only as long as this process (set REMP_CONTROLLER_REDIS_URL)")

@@ -20,7 +20,6 @@ URLs never show a password. Logs: --log-dir (default ``.remp/up``).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ from remp.auth import ENV_ALLOW_UNAUTHENTICATED, ENV_FILE, ENV_TOKEN, Credential
 from remp.errors import ConfigError
 from remp.backoff import RestartBudget
 from remp.cliargs import remove_secret_flags
-from remp.redisproc import RedisServer, redact_url
+from remp.redisproc import RedisServer, die_with_parent, redact_url
 from node_agent.config import detect_device_type
 
 DEFAULT_PORTS = {"controller": 50051, "controller_metrics": 9151, "agent_grpc": 50061,
@@ -209,14 +208,7 @@ def _port_busy(port: int) -> bool:
     return False
 
 
-def _pdeathsig() -> None:
-    """In the child: new session, and SIGTERM when the parent (remp up) dies."""
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+_pdeathsig = die_with_parent  # in the child: new session, SIGTERM when remp up dies
 
 
 def _exit_text(rc: int | None) -> str:

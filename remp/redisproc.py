@@ -12,9 +12,11 @@ comes back with the data; removed by :meth:`RedisServer.stop`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -63,6 +65,19 @@ def _free_port() -> int:
 def _conf_value(v: str) -> str:
     """A redis.conf argument: double-quoted with backslash escapes (any byte is then safe)."""
     return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child that must not outlive its parent: a new session, and SIGTERM
+    when the parent dies (Linux PR_SET_PDEATHSIG), however it dies — SIGKILL or a watchdog's
+    ``os._exit`` included, where no clean-up of the parent runs."""
+    os.setsid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class RedisServer:

@@ -88,3 +88,35 @@ async def test_the_controller_store_heals_its_pooled_connections_after_a_redis_r
             assert await store.ping()
         finally:
             await store.close()
+
+
+def test_a_controllers_private_redis_dies_with_it():
+    """`remp controller` with no Redis URL starts a private redis-server; the controller killed
+    with SIGKILL (or ended by its stop watchdog, which skips clean-up) takes it along (seen:
+    redis-servers of such controllers left running after the suite)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from devstack.agentproc import free_port
+
+    ctl = subprocess.Popen([sys.executable, "-m", "ops.cli", "controller", "--port",
+                            str(free_port())], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        kids: list[psutil.Process] = []
+        while not kids:
+            assert ctl.poll() is None and time.monotonic() < deadline, "no private redis-server"
+            kids = [p for p in psutil.Process(ctl.pid).children(recursive=True)
+                    if p.name().startswith("redis-server")]
+            time.sleep(0.1)
+        os.kill(ctl.pid, signal.SIGKILL)
+        ctl.wait(10)
+        _, alive = psutil.wait_procs(kids, timeout=10)
+        assert not alive, f"private redis-server outlived its controller: {alive}"
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
