@@ -487,27 +487,10 @@ def _tune_worker_spin() -> None:
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, int(spin * 1000)))
 
 
-def _fork_workers() -> None:
-    """In the engine-core process only: its workers start by fork, as vLLM's own ``LLM`` does
-    on CPU, instead of spawn. A spawned worker imports torch and vLLM again (measured: 9-13 s
-    of every engine start on 2 cores, both workers at once); a forked one inherits them, with
-    this plugin already applied. The agent's process still spawns the engine core (it runs
-    gRPC threads, which must not be forked). ``REMP_ENGINE_WORKER_START=spawn`` keeps spawn
-    (an escape hatch; the tests run fork)."""
-    import multiprocessing
-
-    name = multiprocessing.current_process().name
-    if (name == "EngineCore" or name.startswith("EngineCore_DP")) and \
-            os.environ.get("REMP_ENGINE_WORKER_START", "fork") == "fork":
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-
-
 def register() -> None:
-    """``vllm.general_plugins`` entry point: runs in every vLLM process (a forked worker
-    inherits it from the engine core)."""
+    """``vllm.general_plugins`` entry point: runs in every vLLM process."""
     from vllm.v1.engine.core import EngineCore
 
-    _fork_workers()
     _request_amx()
     _tune_worker_spin()
 
