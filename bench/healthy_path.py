@@ -43,7 +43,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from devstack.agentproc import AgentProcess, ensure_credentials, free_port, terminate  # noqa: E402
+from devstack.agentproc import (AgentProcess, ensure_credentials, free_port,  # noqa: E402
+                               stream_completion, terminate)
 from devstack.modelgen import make_model  # noqa: E402
 from node_agent.config import allowed_cpus, cpu_binds  # noqa: E402
 from node_agent.engine_plugin import EngineSpec, cpu_backend_env  # noqa: E402
@@ -126,16 +127,8 @@ class PlainVllm:
 
 async def one_request(client: httpx.AsyncClient, http: str, text: str, max_tokens: int) -> dict:
     t0 = time.monotonic()
-    times = []
-    async with client.stream("POST", f"{http}/v1/completions", json={
-            "model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                data = json.loads(line[6:])
-                if data.get("choices") and data["choices"][0].get("text"):
-                    times.append(time.monotonic())
+    times: list[float] = []  # when each streamed chunk (one token) arrived
+    await stream_completion(client, http, text, max_tokens, arrivals=times)
     n = len(times)
     return {"tokens": n, "ttft": times[0] - t0 if n else None,
             "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None}
