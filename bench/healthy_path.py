@@ -5,10 +5,10 @@ agent costs nothing" had never been measured).
     python bench/healthy_path.py [--tp 2 --pp 1] [--dtype float32] [--concurrency 1,2,4,8]
                                  [--requests 16] [--rounds 3] [--json] [--out FILE]
 
-- Plain vLLM: vLLM's OpenAI server (``vllm serve``) with the arguments the agent gives its own engine
-  (``EngineSpec.cli_args`` without the worker extension), the same CPU environment (KV space,
-  OpenMP binding) and ``VLLM_PLUGINS=""`` (remp's vLLM plugin is installed in this environment;
-  plain means without it). Its engine core spawns its workers, as the agent's does.
+- Plain vLLM: vLLM's OpenAI server (``vllm serve``) with the arguments the agent gives its own
+  engine (``EngineSpec.cli_args`` without the worker extension), the same CPU environment (KV
+  space, OpenMP binding) and ``VLLM_PLUGINS=""`` (remp's vLLM plugin is installed in this
+  environment; plain means without it). Its engine core spawns its workers, as the agent's does.
 - remp: ``remp agent`` with in-place switching set up (the default: engine plugin, weight store,
   warm-up visits of the candidate topologies), not registered with a controller.
 - Both at vLLM's own worker spin (1 s busy-wait), both at nice 5, both alive throughout; for
@@ -243,8 +243,8 @@ def main() -> int:
         "throughput_ratio_min": min(r["throughput"] for r in ratios.values()),
     }
     print()
-    print("| C | vLLM tok/s | remp tok/s | ratio | TTFT p50 vLLM / remp ms | TPOT p50 vLLM / remp ms "
-          "| TTFT p99 vLLM / remp ms |")
+    print("| C | vLLM tok/s | remp tok/s | ratio | TTFT p50 vLLM / remp ms "
+          "| TPOT p50 vLLM / remp ms | TTFT p99 vLLM / remp ms |")
     print("|---|---|---|---|---|---|---|")
     for c in levels:
         v, m = table["vllm"][c], table["remp"][c]

@@ -208,9 +208,6 @@ def _port_busy(port: int) -> bool:
     return False
 
 
-_pdeathsig = die_with_parent  # in the child: new session, SIGTERM when remp up dies
-
-
 def _exit_text(rc: int | None) -> str:
     if rc is not None and rc < 0:
         try:
@@ -279,7 +276,7 @@ class Child(Supervised):
             self._log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.env,
-                                     preexec_fn=_pdeathsig)
+                                     preexec_fn=die_with_parent)
         self.known = []
         return self
 
@@ -391,7 +388,7 @@ class RedisChild(Supervised):
 
     def restart(self) -> None:
         self.restarts += 1
-        self.server.restart(preexec_fn=_pdeathsig)
+        self.server.restart(preexec_fn=die_with_parent)
 
     def tail(self, n: int = 20) -> str:
         return "\n".join(self.server.log_tail().splitlines()[-min(n, 4):])
@@ -530,7 +527,7 @@ class Stack:
             while port in ports.values():  # --free-ports chose those without binding them
                 port = _free_port()
             self.redis = RedisServer(port, generate_password=True, persist=True)
-            self.redis.start(preexec_fn=_pdeathsig)
+            self.redis.start(preexec_fn=die_with_parent)
             self.redis_child = RedisChild("redis", budget=self.budget(), server=self.redis)
             redis_url = self.redis.url
             self.say(f"redis      {self.redis.redacted_url} (private: 127.0.0.1 only, random "

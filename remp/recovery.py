@@ -27,7 +27,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 # ----------------------------------------------------------------------------- bandwidth
 
@@ -409,6 +409,24 @@ def _fits(cost: float, budget: float | None) -> bool:
     return budget is None or cost <= budget
 
 
+class _Costs(NamedTuple):
+    """One request's costs in :func:`decide`: the migration in its chosen format, the recompute."""
+
+    request: DisplacedRequest
+    bw: float
+    c_mig: float
+    c_rec: float
+    fmt: KvFormat
+    payload: int
+
+    def base(self) -> dict:
+        """The fields every :class:`Decision` of this request shares."""
+        r = self.request
+        return dict(request_id=r.request_id, migrate_s=self.c_mig, recompute_s=self.c_rec,
+                    bandwidth_bps=self.bw, kv_bytes=r.kv_bytes, tokens=r.tokens,
+                    budget_s=r.budget_s, kv_format=self.fmt, payload_bytes=self.payload)
+
+
 def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
            bandwidth: BandwidthEstimator | float, cfg: RecoveryConfig = RecoveryConfig(),
            busy_slots: Sequence[float] = ()) -> list[Decision]:
@@ -417,8 +435,9 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
     Costs: ``C_mig = kv_bytes / bw`` with ``bw = min(estimate(src, dst), cfg.bandwidth_cap_bps)``,
     ``C_recomp = prefill.seconds(tokens)``. With ``cfg.kv_int8`` "on" (or "auto" and cheaper) a
     request with an ``int8_bytes`` migrates as INT8: ``C_mig = int8_bytes / bw + kv_bytes ×
-    cfg.int8_codec_s_per_byte`` (the decision's ``kv_format``, ``payload_bytes``). A path *meets the budget* when its cost (plus any
-    wait for a slot) is <= ``budget_s``; ``budget_s=None`` always meets it.
+    cfg.int8_codec_s_per_byte`` (the decision's ``kv_format``, ``payload_bytes``). A path *meets
+    the budget* when its cost (plus any wait for a slot) is <= ``budget_s``; ``budget_s=None``
+    always meets it.
 
     1. The cheaper path is wanted; a tie wants MIGRATE (the crossover: :func:`prefers_migration`).
        If the cheaper path misses the budget, so does the other (it costs more) → ABORT
@@ -437,8 +456,8 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
        recomputes decided here), rounded up to whole seconds, at least ``cfg.min_retry_after_s``.
     """
     n_slots = cfg.max_concurrent_migrations
-    rows = []
-    for i, r in enumerate(requests):
+    rows: list[_Costs] = []
+    for r in requests:
         est = bandwidth.estimate(r.src, r.dst) if isinstance(bandwidth, BandwidthEstimator) \
             else float(bandwidth)
         if not est > 0:
@@ -449,23 +468,16 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
             c_int8 = r.int8_bytes / bw + r.kv_bytes * cfg.int8_codec_s_per_byte
             if cfg.kv_int8 == "on" or c_int8 < c_mig:
                 c_mig, fmt, payload = c_int8, KvFormat.INT8, r.int8_bytes
-        c_rec = prefill.seconds(r.tokens)
-        rows.append((i, r, bw, c_mig, c_rec, fmt, payload))
-
-    def base_of(row) -> dict:
-        _, r, bw, c_mig, c_rec, fmt, payload = row
-        return dict(request_id=r.request_id, migrate_s=c_mig, recompute_s=c_rec, bandwidth_bps=bw,
-                    kv_bytes=r.kv_bytes, tokens=r.tokens, budget_s=r.budget_s, kv_format=fmt,
-                    payload_bytes=payload)
+        rows.append(_Costs(r, bw, c_mig, prefill.seconds(r.tokens), fmt, payload))
 
     out: list[Decision | None] = [None] * len(rows)
     wants_slot = []  # (needs a migration: recompute misses the budget, index)
-    for row in rows:
-        i, r, bw, c_mig, c_rec, fmt, _ = row
-        base = base_of(row)
+    for i, row in enumerate(rows):
+        r, bw, c_mig, c_rec = row.request, row.bw, row.c_mig, row.c_rec
+        base = row.base()
         mig_ok, rec_ok = _fits(c_mig, r.budget_s), _fits(c_rec, r.budget_s)
         # full width: the exact crossover (:func:`prefers_migration`); INT8: its own cost
-        prefer_mig = (prefers_migration(r.kv_bytes, bw, c_rec) if fmt is KvFormat.FULL
+        prefer_mig = (prefers_migration(r.kv_bytes, bw, c_rec) if row.fmt is KvFormat.FULL
                       else c_mig <= c_rec)
         if prefer_mig and mig_ok:
             wants_slot.append((not rec_ok, i))
@@ -490,12 +502,11 @@ def decide(requests: Sequence[DisplacedRequest], prefill: PrefillTable,
 
     def slot_order(item):
         needs, i = item
-        c_mig, c_rec = rows[i][3], rows[i][4]
-        return (not needs, -(c_rec - c_mig), i)
+        return (not needs, -(rows[i].c_rec - rows[i].c_mig), i)
 
     for needs, i in sorted(wants_slot, key=slot_order):
-        _, r, bw, c_mig, c_rec, _, _ = rows[i]
-        base = base_of(rows[i])
+        r, c_mig, c_rec = rows[i].request, rows[i].c_mig, rows[i].c_rec
+        base = rows[i].base()
         start = occupied[0] if occupied else math.inf  # when the earliest slot frees
         if free_now > 0:
             free_now -= 1

@@ -67,7 +67,6 @@ def _conf_value(v: str) -> str:
     return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-
 def die_with_parent() -> None:
     """``preexec_fn`` of a child that must not outlive its parent: a new session, and SIGTERM
     when the parent dies (Linux PR_SET_PDEATHSIG), however it dies — SIGKILL or a watchdog's

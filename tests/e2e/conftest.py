@@ -8,17 +8,23 @@ import pytest
 from devstack.agentproc import AgentProcess
 
 
+def _started(a: AgentProcess):
+    """A session agent's life: started (not waited for), then stopped with exit code 0 and
+    nothing left running (a second stop, after a module stopped it, is a no-op)."""
+    a.start()
+    yield a
+    rc, orphans = a.stop()
+    assert rc == 0 and not orphans, a.log_tail()
+
+
 @pytest.fixture(scope="session")
 def plain_tp1_started(tiny_model, artifacts_dir):
     """TP1PP1 fp32 on plain vLLM (``--no-switching``: started natively on one worker, no world
     changes, no warm-up visits), started but not yet waited for: test_agent_e2e asks for it when
     it starts its own engines, so that the starts overlap. Tests use ``plain_tp1_agent``."""
-    a = AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir,
-                     node="e2e-plain-tp1", extra=["--no-switching"])
-    a.start()
-    yield a
-    rc, orphans = a.stop()
-    assert rc == 0 and not orphans, a.log_tail()
+    yield from _started(AgentProcess(tiny_model, tp=1, pp=1, dtype="float32",
+                                     log_dir=artifacts_dir, node="e2e-plain-tp1",
+                                     extra=["--no-switching"]))
 
 
 @pytest.fixture(scope="session")
@@ -35,12 +41,9 @@ def tp2_started(tiny_model, artifacts_dir):
     while it still serves its native topology; test_switch_e2e then switches it, over and over.
     One engine for both (a start is 40-90 s on 2 cores); test_switch_e2e stops it when it ends
     (files run in name order: test_agent_e2e first). Tests use ``tp2_agent``."""
-    a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
-                     node="e2e-tp2", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
-    a.start()
-    yield a
-    rc, orphans = a.stop()
-    assert rc == 0 and not orphans, a.log_tail()
+    yield from _started(AgentProcess(tiny_model, tp=2, pp=1, dtype="float32",
+                                     log_dir=artifacts_dir, node="e2e-tp2",
+                                     env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}))
 
 
 @pytest.fixture(scope="session")
