@@ -328,9 +328,11 @@ def main() -> int:
         ctl = ControllerProcess(redis.url, log_dir=logs, name="ctl-bench")
         ctl.start().wait_ready()
         agent = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=logs, node=NODE,
-                             extra=["--controller", ctl.addr], worker_spin=None)  # vLLM's own
+                             extra=["--controller", ctl.addr], worker_spin=None,  # vLLM's own
+                             kv_cache_gib=1)
         nospin = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=logs, node=NODE_NOSPIN,
-                              extra=["--controller", ctl.addr, "--worker-spin-seconds", "0.02"])
+                              extra=["--controller", ctl.addr, "--worker-spin-seconds", "0.02"],
+                              kv_cache_gib=1)
         agents = {NODE: agent, **({NODE_NOSPIN: nospin} if a.spin_agent else {})}
         try:
             with contextlib.ExitStack() as stack:

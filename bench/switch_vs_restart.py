@@ -61,7 +61,8 @@ def measure_switches(model, logs, repeats):
     # the fault-injection setting enables the test-only start gate that switch_under_load uses
     # to start each switch while the engine has every request mid-decode
     agent = AgentProcess(model, tp=SOURCE[0], pp=SOURCE[1], dtype="float32", log_dir=logs,
-                         node="bench-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
+                         node="bench-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
+                         kv_cache_gib=1)
     recs, seq_recs, exact, preempted = [], [], True, 0
     with agent:
         ref = asyncio.run(reference(agent))
@@ -90,7 +91,8 @@ def measure_restarts(model, logs, repeats):
     out = []
     for i in range(repeats):
         agent = AgentProcess(model, tp=TARGET[0], pp=TARGET[1], dtype="float32", log_dir=logs,
-                             node=f"bench-restart-{i}", extra=["--no-switching", "--no-warm-up"])
+                             node=f"bench-restart-{i}", extra=["--no-switching", "--no-warm-up"],
+                             kv_cache_gib=1)
         t0 = time.time()
         agent.start()
         try:

@@ -85,6 +85,11 @@ class AgentProcess:
     # (measured, world 4 on 2 cores: the six-pair e2e 376 s at vLLM's default, 273 s at 0.02).
     # ``remp up`` starts CPU agents with the same setting.
     worker_spin: float | None = 0.02
+    # --kv-cache-gib unless ``extra`` sets it (None: the agent's 1 GiB per worker). Tests run at
+    # most 8 sequences of 512 tokens: 64 MiB holds 16k tokens of the tiny fp32 model on one rank.
+    # Every worker zeroes its KV at start, and on a 2-core VM two workers faulting in 1 GiB each
+    # took 7 s of every engine start (0.4 s for one process alone). Benchmarks pass 1.
+    kv_cache_gib: float | None = 0.0625
 
     def __post_init__(self):
         self.grpc_port = free_port()
@@ -106,6 +111,9 @@ class AgentProcess:
         if self.worker_spin is not None and not any(
                 a.split("=", 1)[0] == "--worker-spin-seconds" for a in self.extra):
             cmd += ["--worker-spin-seconds", str(self.worker_spin)]
+        if self.kv_cache_gib is not None and not any(
+                a.split("=", 1)[0] == "--kv-cache-gib" for a in self.extra):
+            cmd += ["--kv-cache-gib", str(self.kv_cache_gib)]
         cmd += self.extra  # last: it may end with ``-- <vLLM args>``
         self._log = open(self.log_path, "w")
         nice = self.nice

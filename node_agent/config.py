@@ -48,7 +48,9 @@ class AgentSettings(BaseSettings):
     max_model_len: int = Field(512, ge=16)
     max_num_seqs: int = Field(8, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
-    kv_cache_gib: int = Field(1, ge=1, description="CPU: KV cache space per worker (whole GiB)")
+    kv_cache_gib: float = Field(1.0, gt=0, le=4096,
+                                description="CPU: KV cache space per worker in GiB (fractions "
+                                "allowed: 0.0625 holds 16k tokens of the tiny fp32 model)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enforce_eager: bool = True
     warm_up: bool = Field(True, description="one short generation before reporting ready")

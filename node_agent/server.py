@@ -42,7 +42,7 @@ log = logs.get_logger("remp.node_agent")
 def prepare_environment(cfg: ResolvedAgentConfig, state_dir: str) -> None:
     """Process environment for vLLM; must run before vLLM is imported."""
     env = (
-        engine_plugin.cpu_backend_env(cfg.cpu_binds, cfg.settings.kv_cache_gib, state_dir)
+        engine_plugin.cpu_backend_env(cfg.cpu_binds, state_dir, cfg.settings.enforce_eager)
         if cfg.host.device_type == "cpu"
         else engine_plugin.common_env(state_dir)
     )
@@ -84,6 +84,8 @@ def engine_spec(cfg: ResolvedAgentConfig, http_port: int):
         seed=s.seed, served_model_name=s.served_model_name or Path(cfg.model.path).name,
         host=s.host, http_port=http_port, gpu_memory_utilization=s.gpu_memory_utilization,
         extra_args=s.extra_vllm_args, request_migration=s.request_migration,
+        kv_cache_bytes=(int(s.kv_cache_gib * 2**30)
+                        if cfg.host.device_type == "cpu" else None),
     )
 
 

@@ -34,7 +34,8 @@ def _agent_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--kv-cache-gib", type=int, help="CPU: KV cache space per worker (whole GiB)")
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="CPU: KV cache space per worker in GiB (default 1; fractions allowed)")
     p.add_argument("--seed", type=int)
     p.add_argument("--served-model-name")
     p.add_argument("--state-dir", type=Path)

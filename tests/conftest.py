@@ -19,6 +19,21 @@ def artifacts_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def shared_vllm_cache(tmp_path_factory):
+    """One vLLM cache for every agent the session starts (they inherit the environment; an agent
+    keeps a VLLM_CACHE_ROOT it is given). vLLM inspects a model class in a subprocess that
+    imports vLLM once more unless its cache has the answer: 7 s of each engine start here when
+    every agent had a cache of its own."""
+    old = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-cache"))
+    yield
+    if old is None:
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+    else:
+        os.environ["VLLM_CACHE_ROOT"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
 def remp_credentials(tmp_path_factory):
     """Every server the tests start (in process or as a child, which inherits the environment)
     checks this set; test clients send the role each method needs (remp.auth)."""

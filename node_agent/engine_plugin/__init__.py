@@ -217,13 +217,24 @@ def _resolve(module: str, attr: str) -> Any:
 # --------------------------------------------------------------------------- front end
 
 
-def cpu_backend_env(cpu_binds: list[str], kv_cache_gib: int, state_dir: str) -> dict[str, str]:
-    """Environment the vLLM CPU backend needs (set before vLLM is imported)."""
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+def cpu_backend_env(cpu_binds: list[str], state_dir: str,
+                    enforce_eager: bool = True) -> dict[str, str]:
+    """Environment the vLLM CPU backend needs (set before vLLM is imported). The KV cache size
+    is an engine argument (:attr:`EngineSpec.kv_cache_bytes`), not vLLM's whole-GiB
+    ``VLLM_CPU_KVCACHE_SPACE``.
+
+    With ``enforce_eager`` (vLLM then compiles no model graph) TorchDynamo is switched off too:
+    vLLM still wraps a few helpers in ``torch.compile`` (the vocab-parallel embedding's input
+    mask), which on CPU made every worker trace them and probe the compiler at its first forward
+    pass (1.8 s of each engine start here; 12 s on a machine whose inductor cache is empty).
+    Eager, the same integer ops run uncompiled: identical tokens."""
+    env = {
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(cpu_binds) if cpu_binds else "auto",
         **common_env(state_dir),
     }
+    if enforce_eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
 
 
 def common_env(state_dir: str) -> dict[str, str]:
@@ -258,6 +269,7 @@ class EngineSpec:
     gpu_memory_utilization: float
     extra_args: list[str]
     request_migration: bool = False  # install the remp import connector (cross-host migration)
+    kv_cache_bytes: int | None = None  # CPU: KV cache per worker (vLLM's --kv-cache-memory-bytes)
 
     def cli_args(self) -> list[str]:
         args = [
@@ -281,6 +293,8 @@ class EngineSpec:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.kv_cache_bytes:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.request_migration:
             import json
 

@@ -154,3 +154,23 @@ def test_a_gpu_build_of_vllm_stops_the_agent_with_one_line():
     assert "CPU-only in this release" in msg and "vllm 0.32.0" in msg and "\n" not in msg
     with pytest.raises(ConfigError, match="not installed"):
         check_engine_build(only({}))
+
+
+def test_kv_cache_size_is_an_engine_argument_in_bytes(model, tmp_path):
+    """Fractions of a GiB reach vLLM as --kv-cache-memory-bytes (not the whole-GiB
+    VLLM_CPU_KVCACHE_SPACE, which would override it); zero or negative sizes are refused."""
+    from node_agent import engine_plugin
+    from node_agent.server import engine_spec
+
+    cfg = resolve(settings(model, tp=2, kv_cache_gib=0.0625))
+    args = engine_spec(cfg, 8000).cli_args()
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(64 * 2**20)
+    env = engine_plugin.cpu_backend_env(cfg.cpu_binds, str(tmp_path))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    # enforce-eager engines compile nothing: TorchDynamo off (no tracing at the first forward)
+    assert env["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in engine_plugin.cpu_backend_env(
+        cfg.cpu_binds, str(tmp_path), enforce_eager=False)
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            settings(model, kv_cache_gib=bad)
