@@ -29,7 +29,11 @@ from devstack.agentproc import ControllerProcess, wait_running
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 160  # the loss test: C is killed once a heartbeat journaled both at >= 3 tokens
-DRAIN_TOKENS = 380  # prompt (~115) + 380 < max_model_len 512
+# The drain must reach all three while they decode. The tiny model decodes ~200 tokens/s per
+# request on an idle 2-core machine (bf16): 380 tokens (the most a 512 context allowed) ended in
+# 1.7 s, before the drain reached the third. A and B serve the model's whole 2048 positions.
+MAX_MODEL_LEN = 2048
+DRAIN_TOKENS = 1500  # prompt (~115) + 1500 < MAX_MODEL_LEN
 LEASE = 10.0  # heartbeats every 3.3 s; a loaded 2-core machine delays them
 LOSS_TEST = "test_killed_agent_requests_are_recomputed_elsewhere"
 
@@ -43,7 +47,8 @@ def stack(request, tiny_model, artifacts_dir):
                                 lease_seconds=LEASE)
         ctl.start()  # ready long before the agents: they register once their engines are up
         # the agents' credentials: the environment's file (tests/conftest.py)
-        reg = ["--controller", ctl.addr, "--heartbeat-seconds", "0.5", "--request-migration"]
+        reg = ["--controller", ctl.addr, "--heartbeat-seconds", "0.5", "--request-migration",
+               "--max-model-len", str(MAX_MODEL_LEN)]
         fi = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
         a = AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node="drain-a", env=fi,
                          extra=["--no-warm-up-candidates", *reg])
