@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from remp.node_agent.v1 import fault_injection_pb2, fault_injection_pb2_grpc
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
 
 AGENT_SERVICE = "remp.node_agent.v1.NodeAgent"
+_STOPPER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-stop")
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 
 
@@ -99,9 +101,11 @@ class AgentProcess:
         self.seen_health: list[str] = []
         self.seen_status: list[str] = []
         self.proc: subprocess.Popen | None = None
+        self._stopping: Future | None = None  # stop_in_background's, until start() again
         self.log_path = self.log_dir / f"agent-{self.node}-tp{self.tp}pp{self.pp}-{self.dtype}.log"
 
     def start(self) -> "AgentProcess":
+        self._stopping = None
         env = {**os.environ, "REMP_LOG_FORMAT": "json", **self.env}
         cmd = [sys.executable, "-m", "ops.cli", "agent", "--model", str(self.model),
                "--tp", str(self.tp), "--pp", str(self.pp), "--dtype", self.dtype,
@@ -188,9 +192,30 @@ class AgentProcess:
 
     def stop(self, timeout: float = 60) -> tuple[int, list[int]]:
         """SIGTERM; returns (exit code, pids of descendants still alive afterwards)."""
+        if self._stopping is not None:  # stopping in the background: its result
+            return self._stopping.result()
         if self.proc is None:
             return 0, []
+        return self._reap(self.descendants(), timeout)
+
+    def stop_in_background(self, timeout: float = 60) -> Future:
+        """SIGTERM now; a future of :meth:`stop`'s (exit code, orphans), reaped in a thread. The
+        caller's next work overlaps the agent's shutdown (≈ 6 s here, most of it vLLM's engine
+        core waiting for its workers to exit). The descendants are taken before the signal: one
+        that outlives the agent is then still counted, not lost to init."""
+        if self._stopping is not None:
+            return self._stopping
+        done: Future = Future()
+        if self.proc is None:
+            done.set_result((0, []))
+            return done
         kids = self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self._stopping = _STOPPER.submit(self._reap, kids, timeout)
+        return self._stopping
+
+    def _reap(self, kids: list[psutil.Process], timeout: float) -> tuple[int, list[int]]:
         rc = terminate(self.proc, timeout)
         gone, alive = psutil.wait_procs(kids, timeout=10)
         for p in alive:

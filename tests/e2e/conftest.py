@@ -8,6 +8,35 @@ import pytest
 from devstack.agentproc import AgentProcess
 
 
+class Reaper:
+    """Agents a module is done with, stopped in the background: the next module's engines start
+    while they shut down (≈ 6 s each, mostly vLLM's engine core waiting for its workers). Where
+    a module checked its agents' exit — code 0, nothing left running — the check runs when the
+    session ends, with the agent's log tail; every stop is waited for then."""
+
+    def __init__(self):
+        self.stops = []
+
+    def stop(self, *agents: AgentProcess, check: bool = True) -> None:
+        for a in agents:
+            self.stops.append((a, check, a.stop_in_background()))
+
+    def finish(self) -> None:
+        bad = []
+        for a, check, fut in self.stops:
+            rc, orphans = fut.result(timeout=180)
+            if check and (rc != 0 or orphans):
+                bad.append(f"agent {a.node}: exit {rc}, left running {orphans}\n{a.log_tail()}")
+        assert not bad, "\n\n".join(bad)
+
+
+@pytest.fixture(scope="session")
+def reaper():
+    r = Reaper()
+    yield r
+    r.finish()
+
+
 def _started(a: AgentProcess):
     """A session agent's life: started (not waited for), then stopped with exit code 0 and
     nothing left running (a second stop, after a module stopped it, is a no-op)."""

@@ -20,7 +20,7 @@ N_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def native(tiny_model, artifacts_dir):
+def native(tiny_model, artifacts_dir, reaper):
     """The agents started natively on TP1PP2 for the two topology tests below: started with the
     module (their starts overlap those of tp2_agent and the session's plain TP1PP1 agent); each
     test waits for its own."""
@@ -36,8 +36,7 @@ def native(tiny_model, artifacts_dir):
             a.start()
         yield agents
     finally:
-        for a in agents.values():
-            a.stop()  # idempotent
+        reaper.stop(*agents.values(), check=False)
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,7 @@ def targets(pki):
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model, artifacts_dir, pki, targets):
+def agent(tiny_model, artifacts_dir, pki, targets, reaper):
     cert, key = pki["agent"]
     env = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1", "VLLM_API_KEY": API_KEY,
            "REMP_AGENT_MIGRATION_PEERS": f"{targets['good'].addr},{targets['rogue'].addr}",
@@ -114,8 +114,7 @@ def agent(tiny_model, artifacts_dir, pki, targets):
                             "--request-migration", "--worker-spin-seconds", "0.02"])
     a.start().wait_ready()
     yield a
-    rc, orphans = a.stop()
-    assert rc == 0 and not orphans, a.log_tail()
+    reaper.stop(a)
 
 
 def token(role: Role) -> tuple[tuple[str, str], ...]:

@@ -32,7 +32,7 @@ T = types_pb2.Topology
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, artifacts_dir):
+def stack(tiny_model, artifacts_dir, reaper):
     with RedisServer() as r:
         ctl = ControllerProcess(r.url, log_dir=artifacts_dir, name="ctl-e2e")
         ctl.start().wait_ready()
@@ -40,10 +40,11 @@ def stack(tiny_model, artifacts_dir):
                              node=NODE, env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
                              extra=["--controller", ctl.addr])  # credentials: the env's file
         try:
-            with agent:
-                wait_registered(ctl)
-                yield ctl, agent
+            agent.start().wait_ready()
+            wait_registered(ctl)
+            yield ctl, agent
         finally:
+            reaper.stop(agent, check=False)
             ctl.stop()
 
 

@@ -39,7 +39,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, artifacts_dir):
+def stack(tiny_model, artifacts_dir, reaper):
     mport = free_port()
     with RedisServer() as r:
         ctl = ControllerProcess(r.url, log_dir=artifacts_dir, name="ctl-dash-e2e",
@@ -50,10 +50,13 @@ def stack(tiny_model, artifacts_dir):
                              env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
                              extra=["--controller", ctl.addr])
         try:
-            with agent, DashboardProcess(ctl.addr, artifacts_dir, name="dash-e2e") as dash:
+            agent.start()
+            with DashboardProcess(ctl.addr, artifacts_dir, name="dash-e2e") as dash:
+                agent.wait_ready()
                 ctl.wait_node_ready(NODE)
                 yield ctl, agent, dash
         finally:
+            reaper.stop(agent, check=False)
             ctl.stop()
 
 

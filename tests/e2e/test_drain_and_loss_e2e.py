@@ -39,7 +39,7 @@ LOSS_TEST = "test_killed_agent_requests_are_recomputed_elsewhere"
 
 
 @pytest.fixture(scope="module")
-def stack(request, tiny_model, artifacts_dir):
+def stack(request, tiny_model, artifacts_dir, reaper):
     """Redis, controller, A and B — and C (the agent the loss test kills) when that test runs:
     the three engines start at once (each start is mostly one core importing torch and vLLM)."""
     with RedisServer() as r:
@@ -69,8 +69,7 @@ def stack(request, tiny_model, artifacts_dir):
             ctl.wait_node_ready("drain-b", timeout=300)
             yield r, ctl, a, b, c
         finally:
-            for x in reversed(agents):
-                x.stop()  # idempotent: C is stopped (killed) by its test
+            reaper.stop(*reversed(agents), check=False)  # C: stopped (killed) by its test
             ctl.stop()
 
 

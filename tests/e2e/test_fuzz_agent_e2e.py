@@ -21,15 +21,19 @@ AUTH = st.sampled_from(["right", "right", "right", "none", "wrong"])
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model, artifacts_dir):
-    with AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir,
-                      node="fuzz", extra=["--request-migration", "--no-warm-up-candidates",
-                                          "--worker-spin-seconds", "0.02"]) as a:
+def agent(tiny_model, artifacts_dir, reaper):
+    a = AgentProcess(tiny_model, tp=1, pp=1, dtype="float32", log_dir=artifacts_dir,
+                     node="fuzz", extra=["--request-migration", "--no-warm-up-candidates",
+                                         "--worker-spin-seconds", "0.02"])
+    try:
+        a.start().wait_ready()
         raw = grpc.insecure_channel(a.grpc_addr)
         try:
             yield a, {"raw": raw, "right": intercept(raw, Credentials.load())}
         finally:
             raw.close()
+    finally:
+        reaper.stop(a, check=False)
 
 
 @pytest.mark.parametrize("method", fuzzing.methods(SVC), ids=lambda m: m.name)

@@ -66,7 +66,7 @@ def dying():
 
 
 @pytest.fixture(scope="module")
-def agents(tiny_model, artifacts_dir, plain_tp1_agent, dying):
+def agents(tiny_model, artifacts_dir, plain_tp1_agent, dying, reaper):
     # B's prefill table (A's recovery decision reads it), measured on the session's plain TP1PP1
     # fp32 engine: the same model, topology and dtype as B, already running, so that A and B
     # start at once instead of A waiting for B's start and its profile
@@ -89,9 +89,7 @@ def agents(tiny_model, artifacts_dir, plain_tp1_agent, dying):
     b.wait_ready()
     a.wait_ready()
     yield a, b, PrefillTable.loads(table.read_text())
-    for x in (a, b):
-        rc, orphans = x.stop()
-        assert rc == 0 and not orphans, x.log_tail()
+    reaper.stop(a, b)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,12 @@ MAX_TOKENS = 64  # the agent's start gate switches with both mid-decode; 64 outl
 ROUTE = [(2, 2), (4, 1), (1, 4), (2, 2), (1, 4), (4, 1), (2, 2)]
 
 
-def test_all_six_pairs_token_exact(tiny_model, artifacts_dir):
+def test_all_six_pairs_token_exact(tiny_model, artifacts_dir, reaper):
     a = AgentProcess(tiny_model, tp=2, pp=2, dtype="float32", log_dir=artifacts_dir,
                      node="e2e-world4", extra=["--devices", "4"],
                      env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
-    with a:
+    a.start().wait_ready()
+    try:
         async def ref():
             async with httpx.AsyncClient(timeout=600) as c:
                 return list(await asyncio.gather(*(stream_completion(c, a.http, p, MAX_TOKENS)
@@ -41,3 +42,5 @@ def test_all_six_pairs_token_exact(tiny_model, artifacts_dir):
         assert len(set(pairs)) == 6
         d = a.describe()
         assert (d.topology.tp, d.topology.pp) == ROUTE[-1] and len(d.workers) == 4
+    finally:
+        reaper.stop(a, check=False)

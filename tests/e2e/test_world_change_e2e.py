@@ -29,14 +29,13 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model, artifacts_dir):
+def agent(tiny_model, artifacts_dir, reaper):
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
                      node="e2e-world", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
                      extra=["--", "--num-gpu-blocks-override", str(POOL)])
     a.start().wait_ready()
     yield a
-    rc, orphans = a.stop()
-    assert rc == 0 and orphans == [], a.log_tail()
+    reaper.stop(a)
 
 
 def streams(agent, prompts, max_tokens=MAX_TOKENS):
