@@ -6,6 +6,7 @@ engines starts them at once rather than one after another."""
 import pytest
 
 from devstack.agentproc import AgentProcess
+from tests.helpers import LONG_CONTEXT
 
 
 class Reaper:
@@ -72,7 +73,12 @@ def tp2_started(tiny_model, artifacts_dir):
     (files run in name order: test_agent_e2e first). Tests use ``tp2_agent``."""
     yield from _started(AgentProcess(tiny_model, tp=2, pp=1, dtype="float32",
                                      log_dir=artifacts_dir, node="e2e-tp2",
-                                     env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}))
+                                     env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
+                                     extra=["--max-model-len", str(LONG_CONTEXT)],
+                                     # test_switch_e2e holds the peak extra KV memory of a
+                                     # switch to one layer + 10 %: the executor's fixed
+                                     # staging (~7 MB) needs layers of ≥ 70 MB for that
+                                     kv_cache_gib=0.25))
 
 
 @pytest.fixture(scope="session")

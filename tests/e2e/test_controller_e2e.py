@@ -20,12 +20,14 @@ from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
 from remp.redisproc import RedisServer
+from tests.helpers import LONG_CONTEXT
 
 pytestmark = pytest.mark.e2e
 
 NODE = "e2e-ctl"
 PROMPTS = [prompt(i, 120) for i in range(2)]
-MAX_TOKENS = 160  # the agent's start gate holds the switch until both decode
+MAX_TOKENS = 1000  # the agent's start gate holds the switch until both decode; long enough to
+# overlap in the engine on an idle machine (LONG_CONTEXT, tests/helpers.py)
 PAUSE_POINTS = ["ACCEPTED", "DISPATCHED", "QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED",
                 "MIGRATE_KV", "RELOAD_SHARDS", "REBINDING", "SERVING_NEW"]
 T = types_pb2.Topology
@@ -38,7 +40,8 @@ def stack(tiny_model, artifacts_dir, reaper):
         ctl.start().wait_ready()
         agent = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
                              node=NODE, env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
-                             extra=["--controller", ctl.addr])  # credentials: the env's file
+                             extra=["--controller", ctl.addr, "--max-model-len",
+                                    str(LONG_CONTEXT)])  # credentials: the env's file
         try:
             agent.start().wait_ready()
             wait_registered(ctl)
