@@ -257,6 +257,11 @@ async def stream_completion(client, http: str, text: str, max_tokens: int, progr
             "ignore_eos": True, "stream": True}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
+            # yield to the event loop at every line: while the response has data buffered,
+            # ``aiter_lines`` returns without suspending, and one fast stream then held the loop
+            # until it ended — the other streams' requests were sent only after it, and a
+            # concurrent poll (ListRequests, a switch or drain call) waited seconds
+            await asyncio.sleep(0)
             if line.startswith("data: ") and line != "data: [DONE]":
                 data = json.loads(line[6:])
                 if "error" in data:

@@ -576,6 +576,10 @@ class Stack:
                 "--node", a.node, "--host", "127.0.0.1", "--grpc-port", str(ports["agent_grpc"]),
                 "--http-port", str(ports["agent_http"]), "--controller", ctl_addr,
                 *with_agent_defaults(a.agent_args, cpu)], grace_s=60,
+                # vLLM's cache outlives an agent restart (a private one costs every start 7 s:
+                # vLLM inspects the model class in a subprocess that imports vLLM again)
+                extra_env={"VLLM_CACHE_ROOT": os.environ.get(
+                    "VLLM_CACHE_ROOT", str(a.log_dir / "vllm-cache"))},
                 probe=lambda: self.grpc_ready(agent_grpc, "remp.node_agent.v1.NodeAgent"),
                 cleanup=weight_store_cleanup(a.node, a.agent_args))
             self.say(f"agent      starting {a.node} on TP{a.tp}PP{a.pp} (vLLM; a minute or more "

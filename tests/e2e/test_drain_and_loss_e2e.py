@@ -29,11 +29,15 @@ from devstack.agentproc import ControllerProcess, wait_running
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 160  # the loss test: C is killed once a heartbeat journaled both at >= 3 tokens
-# The drain must reach all three while they decode. The tiny model decodes ~200 tokens/s per
-# request on an idle 2-core machine (bf16): 380 tokens (the most a 512 context allowed) ended in
-# 1.7 s, before the drain reached the third. A and B serve the model's whole 2048 positions.
+# The drain must reach all three while they decode, and this test's own process must keep up
+# with their streams. At the workers' 0.02 s spin the tiny model decodes ~290 tokens/s per
+# request on an idle 2-core machine: three streams then kept the test process's one thread busy
+# parsing SSE (a ListRequests poll from another thread waited 3 s for the GIL) and the DrainNode
+# call went out after the requests had ended. A's workers sleep between steps instead
+# (--worker-spin-seconds 0: ~100 tokens/s each, polls answered at once); A and B serve the
+# model's whole context.
 MAX_MODEL_LEN = 2048
-DRAIN_TOKENS = 1500  # prompt (~115) + 1500 < MAX_MODEL_LEN
+DRAIN_TOKENS = 800  # ~8 s at A's pace; prompt (~115) + 800 < MAX_MODEL_LEN
 LEASE = 10.0  # heartbeats every 3.3 s; a loaded 2-core machine delays them
 LOSS_TEST = "test_killed_agent_requests_are_recomputed_elsewhere"
 
@@ -51,7 +55,7 @@ def stack(request, tiny_model, artifacts_dir, reaper):
                "--max-model-len", str(MAX_MODEL_LEN)]
         fi = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
         a = AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node="drain-a", env=fi,
-                         extra=["--no-warm-up-candidates", *reg])
+                         extra=["--no-warm-up-candidates", *reg], worker_spin=0)
         b = AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-b", env=fi,
                          extra=["--no-world-changes", *reg])
         # only with the loss test selected: left alive, C could be a target of the drain tests
