@@ -74,6 +74,10 @@ class AgentSettings(BaseSettings):
     migration_bandwidth_limit: float = Field(
         0.0, ge=0, description="throttle request migrations to this many bytes/s (0: none)")
     max_concurrent_migrations: int = Field(32, ge=1)
+    kv_int8: Literal["off", "on", "auto"] = Field(
+        "off", description="INT8 KV for request migrations (per layer, block and KV head "
+        "scales; dequantised on the target, not token-exact): off, on, or auto (the cost model "
+        "picks it when the smaller payload is faster, codec time included)")
     import_receive_seconds: float = Field(
         30.0, gt=0, description="an ImportRequest's KV payload must arrive within this many "
         "seconds plus kv_bytes / import_min_receive_bps (a slow sender cannot hold an import "

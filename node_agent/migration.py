@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from node_agent.faults import NO_MIGRATION_FAULT
-from node_agent.kv.codec import (KV_DTYPES, ImportLimits, ImportPlan, check_payload,
+from node_agent.kv import int8
+from node_agent.kv.codec import (FULL, INT8, KV_DTYPES, ImportLimits, ImportPlan, check_payload,
                                  kv_bytes_estimate)
 from remp import logs, validate
 from remp.auth import Role, aio_channel, channel_tls
@@ -37,13 +38,22 @@ from remp.controller.v1 import controller_pb2, controller_pb2_grpc
 from remp.grpc_util import channel_options
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
-from remp.recovery import (Action, BandwidthEstimator, DisplacedRequest, PrefillTable,
-                           RecoveryConfig, decide)
+from remp.recovery import (Action, BandwidthEstimator, DisplacedRequest, KvFormat, PrefillTable,
+                           RecoveryConfig, decide, int8_payload_bytes)
 
 log = logs.get_logger("remp.node_agent.migration")
 CHUNK = 256 * 1024
 ACTIONS = {Action.MIGRATE: types_pb2.RECOVERY_ACTION_MIGRATE, Action.RECOMPUTE: types_pb2.RECOVERY_ACTION_RECOMPUTE,
            Action.ABORT: types_pb2.RECOVERY_ACTION_ABORT}
+# ImportHeader.kv_format → payload format (UNSPECIFIED: a sender from before INT8, full width)
+KV_FORMATS = {pb.KV_FORMAT_UNSPECIFIED: FULL, pb.KV_FORMAT_FULL: FULL, pb.KV_FORMAT_INT8: INT8}
+KV_INT8_MODES = {pb.KV_INT8_MODE_OFF: "off", pb.KV_INT8_MODE_ON: "on",
+                 pb.KV_INT8_MODE_AUTO: "auto"}
+# quantise + dequantise seconds per byte of full-width KV: the codec's time in the cost model
+# (quantize_file + dequantize_file, files included, 0.5-4 MiB payloads of the tiny model on this
+# 2-core CPU host, fp32 and bf16: 1.9-2.5e-8; docs/int8_kv.md). Auto picks INT8 below ~38 MB/s
+# (fp32) or ~25 MB/s (bf16)
+INT8_CODEC_S_PER_BYTE = 2e-8
 
 
 @dataclass
@@ -96,6 +106,9 @@ def check_header(h: pb.ImportHeader, lim: ImportLimits) -> ImportPlan:
     t = h.temperature
     if not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
         raise _bad(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (got {t})")
+    fmt = KV_FORMATS.get(h.kv_format)
+    if fmt is None:
+        raise _bad(f"kv_format {h.kv_format} is not a known KV payload format")
     if not h.kv_bytes:
         return ImportPlan(h.request_id, 0)
     if lim.block_size <= 0:
@@ -109,14 +122,15 @@ def check_header(h: pb.ImportHeader, lim: ImportLimits) -> ImportPlan:
     tokens = len(prompt) + len(out)
     if tokens < 2:
         raise _bad("a KV payload needs at least 2 tokens (it holds all but the last)")
+    block_bytes, max_header = lim.format_block_bytes(fmt), lim.format_max_header_bytes(fmt)
     blocks = tuple(b for b in lim.blocks_for(tokens)
-                   if 2 <= h.kv_bytes - 8 - b * lim.block_bytes <= lim.max_header_bytes)
+                   if 2 <= h.kv_bytes - 8 - b * block_bytes <= max_header)
     if not blocks:
-        want = [8 + b * lim.block_bytes for b in lim.blocks_for(tokens)]
+        want = [8 + b * block_bytes for b in lim.blocks_for(tokens)]
         raise _bad(f"kv_bytes {h.kv_bytes} is not the size of {tokens - 1} tokens of this "
-                   f"model's KV ({' or '.join(map(str, want))} bytes of tensors plus a "
-                   f"safetensors header of at most {lim.max_header_bytes} bytes)")
-    return ImportPlan(h.request_id, h.kv_bytes, blocks)
+                   f"model's KV in format {fmt} ({' or '.join(map(str, want))} bytes of "
+                   f"tensors plus a safetensors header of at most {max_header} bytes)")
+    return ImportPlan(h.request_id, h.kv_bytes, blocks, fmt)
 
 
 
@@ -192,15 +206,21 @@ def peer_channel_credentials(settings) -> grpc.ChannelCredentials | None:
 
 
 def decide_one(st: MigrationState, info: dict, kv_bytes: int, mode: int, limit_bps: float,
-               budget_s: float | None, src: str, dst: str) -> types_pb2.RecoveryDecision:
+               budget_s: float | None, src: str, dst: str, kv_int8: str = "off",
+               int8_bytes: int | None = None,
+               ) -> tuple[types_pb2.RecoveryDecision, KvFormat, int]:
+    """The request's decision, and how a MIGRATE sends its KV: (decision, format, predicted
+    payload bytes). ``kv_int8``: off / on / auto (:class:`RecoveryConfig`); ``int8_bytes``: the
+    request's INT8 payload (:func:`int8_payload_bytes`)."""
     tokens = info["prompt_tokens"] + info["output_tokens"]
     req = DisplacedRequest(info["request_id"], kv_bytes, tokens, budget_s=budget_s,
                            remaining_tokens=max(0, info["max_tokens"] - info["output_tokens"]),
-                           src=src, dst=dst)
+                           src=src, dst=dst, int8_bytes=int8_bytes)
     cap = limit_bps or st.bandwidth_limit_bps or None
     prefill = st.prefill or PrefillTable.fit([(1, 0.0), (2, 0.0)])
     d = decide([req], prefill, st.bandwidth, RecoveryConfig(
-        max_concurrent_migrations=st.max_concurrent, bandwidth_cap_bps=cap),
+        max_concurrent_migrations=st.max_concurrent, bandwidth_cap_bps=cap, kv_int8=kv_int8,
+        int8_codec_s_per_byte=INT8_CODEC_S_PER_BYTE),
         busy_slots=[1.0] * st.active)[0]
     action, reason = d.action, d.reason.value
     if mode == pb.RECOVERY_MODE_MIGRATE and action is not Action.ABORT:
@@ -214,7 +234,7 @@ def decide_one(st: MigrationState, info: dict, kv_bytes: int, mode: int, limit_b
         migrate_seconds=d.migrate_s, recompute_seconds=d.recompute_s,
         bandwidth_bps=d.bandwidth_bps, kv_bytes=kv_bytes, tokens=tokens,
         retry_after_seconds=d.retry_after_s or 0, source_node=src, target_node=dst,
-        detail=d.detail)
+        detail=d.detail), d.kv_format, d.payload_bytes
 
 
 async def _throttled(chunks: list[bytes], header: pb.ImportHeader, rate_bps: float,
@@ -259,6 +279,9 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
             raise InvalidArgument(f"{name} must be a finite number >= 0 (got {v})")
     if request.mode not in pb.RecoveryMode.values():
         raise InvalidArgument(f"unknown mode {request.mode}")
+    if request.kv_int8 not in pb.KvInt8Mode.values():
+        raise InvalidArgument(f"unknown kv_int8 {request.kv_int8}")
+    kv_int8 = KV_INT8_MODES.get(request.kv_int8, agent.cfg.settings.kv_int8)
     if request.target_address:
         check_address("target_address", request.target_address)
     rid = request.request_id
@@ -283,16 +306,20 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
         def choose(info: dict):
             if info["status"] != "RUNNING":
                 raise FailedPrecondition(f"request {rid} is {info['status']}, not RUNNING")
-            kv = kv_bytes_estimate(info["blocks"], agent.cfg.model.shape, agent.block_size,
-                                   dtype_bytes)
-            d = decide_one(st, info, kv, request.mode, request.bandwidth_limit_bps,
-                           request.slo_budget_seconds or None, node, dst)
-            if d.action == types_pb2.RECOVERY_ACTION_ABORT:
+            shape = agent.cfg.model.shape
+            kv = kv_bytes_estimate(info["blocks"], shape, agent.block_size, dtype_bytes)
+            i8 = int8_payload_bytes(kv, dtype_bytes, agent.block_size * 2 * shape.head_size)
+            d, fmt, payload_bytes = decide_one(
+                st, info, kv, request.mode, request.bandwidth_limit_bps,
+                request.slo_budget_seconds or None, node, dst, kv_int8, i8)
+            d = (d, fmt, payload_bytes)
+            if d[0].action == types_pb2.RECOVERY_ACTION_ABORT:
                 return d, None
-            return d, d.action == types_pb2.RECOVERY_ACTION_MIGRATE
+            return d, d[0].action == types_pb2.RECOVERY_ACTION_MIGRATE
 
         async with agent.engine_exclusive():
-            decision, state = await agent.engine.take_out(rid, agent.state_dir, choose)
+            (decision, kv_format, payload_bytes), state = await agent.engine.take_out(
+                rid, agent.state_dir, choose)
     except (FailedPrecondition, NotFound, InvalidArgument):
         await channel.close()
         raise
@@ -305,7 +332,13 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
     log.info("migration.decided", request_id=rid, target=dst,
              action=types_pb2.RecoveryAction.Name(decision.action), reason=decision.reason,
              migrate_s=round(decision.migrate_seconds, 6),
-             recompute_s=round(decision.recompute_seconds, 6), kv_bytes=decision.kv_bytes)
+             recompute_s=round(decision.recompute_seconds, 6), kv_bytes=decision.kv_bytes,
+             kv_format=kv_format.value, payload_bytes=payload_bytes)
+    migrating = decision.action == types_pb2.RECOVERY_ACTION_MIGRATE
+    fmt_pb = (pb.KV_FORMAT_INT8 if migrating and kv_format is KvFormat.INT8
+              else pb.KV_FORMAT_FULL)
+    if state is not None:
+        state["kv_format"] = fmt_pb
     # The request has left the engine core; its client waits on this node's front end. Settle
     # that before the first yield (a caller that goes away closes this generator there): a
     # drop answers the client now, a move runs in a task of its own that relays the
@@ -321,7 +354,9 @@ async def migrate_out(agent, request: pb.MigrateRequestRequest) -> AsyncIterator
                                                        request, events, armed.poison_kv))
         st.tasks.add(task)
         task.add_done_callback(st.tasks.discard)
-    yield pb.MigrateRequestEvent(decision=decision)
+    yield pb.MigrateRequestEvent(decision=decision, kv_format=fmt_pb,
+                                 payload_bytes=(payload_bytes if fmt_pb == pb.KV_FORMAT_INT8
+                                                else decision.kv_bytes) if migrating else 0)
     if state is None:
         return
     while True:
@@ -344,26 +379,20 @@ async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, stat
     st: MigrationState = agent.migration
     node = agent.cfg.settings.node
     migrate = decision.action == types_pb2.RECOVERY_ACTION_MIGRATE
-    payload = state.get("payload")
-    chunks: list[bytes] = []
-    if payload:
-        with open(payload, "rb") as f:
-            data = f.read()
-        os.unlink(payload)
-        if poison_kv:  # test-only control: same size, KV zeroed (header valid)
-            head = 8 + int.from_bytes(data[:8], "little")
-            data = data[:head] + bytes(len(data) - head)
-        chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
-    header = pb.ImportHeader(
-        request_id=rid, prompt_token_ids=state["prompt_token_ids"],
-        output_token_ids=state["output_token_ids"], max_tokens=state["max_tokens"],
-        temperature=state["temperature"], ignore_eos=state["ignore_eos"],
-        kv_bytes=sum(len(c) for c in chunks), block_size=state["block_size"])
+    kv_format = state.get("kv_format", pb.KV_FORMAT_FULL)
     rate = request.bandwidth_limit_bps or st.bandwidth_limit_bps
     st.active += 1 if migrate else 0
     t0 = time.perf_counter()
     first, ended, call = True, False, None
     try:
+        chunks, quantize_s = await asyncio.get_running_loop().run_in_executor(
+            None, _payload_chunks, state.get("payload"), kv_format, poison_kv)
+        header = pb.ImportHeader(
+            request_id=rid, prompt_token_ids=state["prompt_token_ids"],
+            output_token_ids=state["output_token_ids"], max_tokens=state["max_tokens"],
+            temperature=state["temperature"], ignore_eos=state["ignore_eos"],
+            kv_bytes=sum(len(c) for c in chunks), block_size=state["block_size"],
+            kv_format=kv_format if chunks else pb.KV_FORMAT_FULL)
         stub = node_agent_pb2_grpc.NodeAgentStub(channel)
         call = stub.ImportRequest(_throttled(chunks, header, rate), timeout=3600)
         async for ev in call:
@@ -374,12 +403,14 @@ async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, stat
                 took = time.perf_counter() - t0
                 ev_out.transfer_seconds, ev_out.export_seconds = took, state["paused_seconds"]
                 ev_out.receive_seconds = ev.receive_seconds
+                ev_out.kv_format, ev_out.payload_bytes = header.kv_format, header.kv_bytes
                 # the link's bandwidth: unthrottled transfers only (a throttle is a cap the
                 # decision applies on its own), timed by the receiver
                 if migrate and header.kv_bytes and not rate and ev.receive_seconds > 0:
                     st.bandwidth.observe(node, dst, header.kv_bytes, ev.receive_seconds)
                 log.info("migration.transferred", request_id=rid,
-                         kv_bytes=header.kv_bytes, seconds=round(took, 4),
+                         kv_bytes=header.kv_bytes, kv_format=pb.KvFormat.Name(header.kv_format),
+                         quantize_s=round(quantize_s, 4), seconds=round(took, 4),
                          paused_s=round(state["paused_seconds"], 4))
             vocab = agent.cfg.model.vocab_size
             if vocab and any(t >= vocab for t in ev.token_ids):
@@ -418,6 +449,29 @@ async def _continue_elsewhere(agent, channel, rid: str, dst: str, decision, stat
         events.put_nowait(None)
 
 
+def _payload_chunks(payload: str | None, kv_format: int, poison_kv: bool,
+                    ) -> tuple[list[bytes], float]:
+    """The exported payload file (removed) as chunks to send — quantised first when the format
+    is INT8 — and the seconds quantising took. Blocking: run on an executor thread."""
+    if not payload:
+        return [], 0.0
+    t0 = time.perf_counter()
+    try:
+        if kv_format == pb.KV_FORMAT_INT8:
+            payload = int8.quantize_file(payload, payload.removesuffix(".safetensors")
+                                         + ".int8.safetensors")
+        quantize_s = time.perf_counter() - t0
+        with open(payload, "rb") as f:
+            data = f.read()
+    finally:
+        if os.path.exists(payload):
+            os.unlink(payload)
+    if poison_kv:  # test-only control: same size, KV zeroed (header valid)
+        head = 8 + int.from_bytes(data[:8], "little")
+        data = data[:head] + bytes(len(data) - head)
+    return [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)], quantize_s
+
+
 async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterator[pb.ImportEvent]:
     """Continue a request that started elsewhere. The header and the payload are checked in full
     (:func:`check_header`, :func:`check_payload`) before anything reaches the engine; the payload
@@ -451,6 +505,9 @@ async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterat
                 s.import_receive_seconds + plan.kv_bytes / s.import_min_receive_bps)
             await asyncio.get_running_loop().run_in_executor(
                 None, _check_payload_file, payload, plan, lim)
+            if plan.kv_format == INT8:  # into the engine's dtype: what the connector loads
+                payload = await asyncio.get_running_loop().run_in_executor(
+                    None, _dequantize_payload_file, payload, lim)
         if agent.status not in ("serving", "switching"):
             raise FailedPrecondition(f"engine is {agent.status}, not serving")
         received = time.perf_counter()
@@ -467,6 +524,7 @@ async def import_in(agent, chunks: AsyncIterator[pb.ImportChunk]) -> AsyncIterat
                 ev.receive_seconds = received - t0
                 first_ev = False
                 log.info("migration.imported", request_id=h.request_id, kv_bytes=h.kv_bytes,
+                         kv_format=plan.kv_format,
                          receive_s=round(received - t0, 4),
                          first_token_s=round(time.perf_counter() - received, 4))
             sent_tokens, sent_text = len(o.token_ids), len(o.text)
@@ -519,4 +577,17 @@ def _check_payload_file(path: str, plan: ImportPlan, lim: ImportLimits) -> None:
             check_payload(m, plan, lim)
     except Exception:
         os.unlink(path)
+        raise
+
+
+def _dequantize_payload_file(path: str, lim: ImportLimits) -> str:
+    """A checked INT8 payload as a payload of the engine's KV dtype under a new generated name in
+    the same private directory; the INT8 file is removed (also on failure)."""
+    out = os.path.join(os.path.dirname(path), f"import-{uuid.uuid4().hex}.safetensors")
+    try:
+        return int8.dequantize_file(path, out, lim.kv_dtype, lim.num_layers)
+    except Exception:
+        for p in (path, out):
+            if os.path.exists(p):
+                os.unlink(p)
         raise

@@ -56,6 +56,9 @@ def _agent_parser(sub) -> None:
                    help="measured prefill times (remp profile) for migrate-vs-recompute")
     p.add_argument("--migration-bandwidth-limit", type=float,
                    help="throttle request migrations (bytes/s)")
+    p.add_argument("--kv-int8", dest="kv_int8", choices=["off", "on", "auto"],
+                   help="INT8 KV for request migrations: off (default), on, or auto (the cost "
+                   "model's choice; not token-exact)")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
     p.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate")

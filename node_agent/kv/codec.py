@@ -6,7 +6,12 @@ Written in two steps on the source: every rank saves its part (its layers × its
 ``L<layer>.h<first head>``: :func:`rank_part_key`), the agent merges the parts into one tensor per
 layer (:func:`merge_rank_parts`). On the target the agent checks the file in full before the
 engine sees it (:func:`check_payload`: pure), and every rank loads its KV heads of each layer
-(:func:`rank_heads`)."""
+(:func:`rank_heads`).
+
+INT8 (issue 18, :mod:`node_agent.kv.int8`): per layer ``L<layer>`` int8 of the same shape and
+``L<layer>.scale`` float32 ``[blocks, KV heads]``; the target checks it as strictly (:func:`
+check_payload` with the plan's ``kv_format``) and dequantises it into its engine's dtype, the
+full format, before the engine sees it."""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from remp.errors import InvalidArgument
 KV_DTYPES = {"float32": ("F32", 4, 0x7F800000), "bfloat16": ("BF16", 2, 0x7F80),
              "float16": ("F16", 2, 0x7C00)}
 _FINITE_CHUNK = 16 << 20
+FULL, INT8 = "full", "int8"  # payload formats (ImportHeader.kv_format)
+SCALE_BYTES = 4  # one float32 per (layer, block, KV head)
 
 
 def kv_bytes_estimate(blocks: int, shape, block_size: int, dtype_bytes: int) -> int:
@@ -32,6 +39,11 @@ def kv_bytes_estimate(blocks: int, shape, block_size: int, dtype_bytes: int) -> 
 def layer_key(layer: int) -> str:
     """A layer's tensor in the payload."""
     return f"L{layer}"
+
+
+def scale_key(layer: int) -> str:
+    """A layer's INT8 scales ``[blocks, KV heads]`` in an INT8 payload."""
+    return f"L{layer}.scale"
 
 
 def rank_part_key(layer: int, head_start: int) -> str:
@@ -101,6 +113,22 @@ class ImportLimits:
         """The safetensors header of an export: ~100 bytes per layer; generous, still small."""
         return 1024 + 160 * self.num_layers
 
+    @property
+    def group_elements(self) -> int:
+        """Elements of one (block, KV head) of one layer: what one INT8 scale covers."""
+        return self.block_size * 2 * self.head_size
+
+    def format_block_bytes(self, fmt: str) -> int:
+        """One block over every layer in payload format ``fmt``: the engine's dtype, or one
+        byte per element plus a float32 scale per (layer, KV head)."""
+        if fmt == INT8:
+            return self.num_layers * self.num_kv_heads * (self.group_elements + SCALE_BYTES)
+        return self.block_bytes
+
+    def format_max_header_bytes(self, fmt: str) -> int:
+        """An INT8 payload names two tensors per layer."""
+        return self.max_header_bytes + (160 * self.num_layers if fmt == INT8 else 0)
+
     def blocks_for(self, tokens: int) -> range:
         """Block counts an export of a request of ``tokens`` tokens can have: its KV covers every
         token but the last; the engine may have allocated the slot of the next one already."""
@@ -115,6 +143,7 @@ class ImportPlan:
     request_id: str
     kv_bytes: int  # 0: recompute
     blocks: tuple[int, ...] = ()  # block counts kv_bytes is consistent with
+    kv_format: str = FULL  # FULL or INT8
 
 
 
@@ -133,21 +162,25 @@ def _ints(v, n: int | None = None) -> list[int] | None:
 
 def check_payload(buf, plan: ImportPlan, lim: ImportLimits) -> int:
     """The received KV payload (bytes-like: bytes, memoryview, mmap), checked as a safetensors
-    file an export of this model makes: header length, exactly one tensor ``L<i>`` per layer,
-    dtype, shapes, offsets (contiguous, covering the data exactly), and every value finite.
-    Returns the number of blocks; raises InvalidArgument."""
+    file an export of this model makes: header length, exactly one tensor ``L<i>`` per layer
+    (INT8: and ``L<i>.scale``), dtype, shapes, offsets (contiguous, covering the data exactly),
+    and every value finite (INT8: :func:`_check_int8_values`). Returns the number of blocks;
+    raises InvalidArgument."""
+    fmt = plan.kv_format
+    if fmt not in (FULL, INT8):
+        raise _bad(f"KV payload format {fmt[:16]!r} is not known")
     total = len(buf)
     if total != plan.kv_bytes:
         raise _bad(f"KV payload incomplete: {total} of {plan.kv_bytes} bytes")
     n = int.from_bytes(bytes(buf[:8]), "little")
-    if not 2 <= n <= lim.max_header_bytes or 8 + n > total:
-        raise _bad(f"KV payload: safetensors header length {n} is not in [2, "
-                   f"{lim.max_header_bytes}]")
+    max_header, block_bytes = lim.format_max_header_bytes(fmt), lim.format_block_bytes(fmt)
+    if not 2 <= n <= max_header or 8 + n > total:
+        raise _bad(f"KV payload: safetensors header length {n} is not in [2, {max_header}]")
     data_len = total - 8 - n
-    blocks, rem = divmod(data_len, lim.block_bytes)
+    blocks, rem = divmod(data_len, block_bytes)
     if rem or blocks not in plan.blocks:
         raise _bad(f"KV payload: {data_len} bytes of tensors are not the blocks the header "
-                   f"announced ({', '.join(map(str, plan.blocks))} × {lim.block_bytes} bytes)")
+                   f"announced ({', '.join(map(str, plan.blocks))} × {block_bytes} bytes)")
     try:
         hdr = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -158,31 +191,41 @@ def check_payload(buf, plan: ImportPlan, lim: ImportLimits) -> int:
     if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
             isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise _bad("KV payload: __metadata__ must be a small string → string map")
-    want = [layer_key(i) for i in range(lim.num_layers)]
+    kv_keys = [layer_key(i) for i in range(lim.num_layers)]
+    scale_keys = [scale_key(i) for i in range(lim.num_layers)] if fmt == INT8 else []
+    want = kv_keys + scale_keys
     if set(hdr) != set(want):
         extra = sorted(set(hdr) - set(want))[:3]
         missing = [k for k in want if k not in hdr][:3]
-        raise _bad(f"KV payload: tensors must be exactly L0..L{lim.num_layers - 1} (one per "
-                   f"layer); unexpected {[k[:32] for k in extra]}, missing {missing}")
+        names = "L<i>, L<i>.scale" if fmt == INT8 else "L<i>"
+        raise _bad(f"KV payload: tensors must be exactly {names} for i in 0..{lim.num_layers - 1}"
+                   f"; unexpected {[k[:32] for k in extra]}, missing {missing}")
     st_dtype, size, _ = KV_DTYPES[lim.kv_dtype]
+    if fmt == INT8:
+        st_dtype, size = "I8", 1
     rest = lim.kv_rest
     spans = []
     for key in want:
         e = hdr[key]
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise _bad(f"KV payload: {key} needs exactly dtype, shape and data_offsets")
-        if e["dtype"] != st_dtype:
-            raise _bad(f"KV payload: {key} is {str(e['dtype'])[:16]}, this engine's KV is "
-                       f"{st_dtype}")
+        is_scale = key in scale_keys
+        want_dtype, esize = ("F32", SCALE_BYTES) if is_scale else (st_dtype, size)
+        if e["dtype"] != want_dtype:
+            raise _bad(f"KV payload: {key} is {str(e['dtype'])[:16]}, expected {want_dtype}")
         shape = _ints(e["shape"])
-        ok = (shape is not None and len(shape) >= 3 and shape[:2] == [blocks, lim.num_kv_heads]
-              and (list(rest) == shape[2:] if rest is not None
-                   else math.prod(shape[2:]) == 2 * lim.block_size * lim.head_size))
+        if is_scale:
+            ok = shape == [blocks, lim.num_kv_heads]
+        else:
+            ok = (shape is not None and len(shape) >= 3
+                  and shape[:2] == [blocks, lim.num_kv_heads]
+                  and (list(rest) == shape[2:] if rest is not None
+                       else math.prod(shape[2:]) == lim.group_elements))
         if not ok:
-            expect = [blocks, lim.num_kv_heads, *(rest or ["…"])]
+            expect = [blocks, lim.num_kv_heads, *([] if is_scale else (rest or ["…"]))]
             raise _bad(f"KV payload: {key} has shape {str(e['shape'])[:64]}, expected {expect}")
         off = _ints(e["data_offsets"], 2)
-        if off is None or off[1] - off[0] != math.prod(shape) * size:
+        if off is None or off[1] - off[0] != math.prod(shape) * esize:
             raise _bad(f"KV payload: {key} data_offsets do not match its shape and dtype")
         spans.append((off[0], off[1], key))
     spans.sort()
@@ -194,6 +237,9 @@ def check_payload(buf, plan: ImportPlan, lim: ImportLimits) -> int:
         at = end
     if at != data_len:
         raise _bad(f"KV payload: tensors cover {at} of {data_len} data bytes")
+    if fmt == INT8:
+        _check_int8_values(buf, 8 + n, hdr, lim, blocks)
+        return blocks
     bad = _first_nonfinite(buf, 8 + n, total, lim.kv_dtype)
     if bad is not None:
         key = next(k for s, e, k in spans if s <= bad - 8 - n < e)
@@ -214,3 +260,39 @@ def _first_nonfinite(buf, start: int, end: int, kv_dtype: str) -> int | None:
         if hit.size:
             return off + int(hit[0]) * size
     return None
+
+
+def max_int8_scale(kv_dtype: str) -> float:
+    """The largest scale whose 127 steps stay finite in the engine's KV dtype."""
+    import numpy as np
+
+    big = {"float32": float(np.finfo(np.float32).max), "bfloat16": 3.3895313892515355e38,
+           "float16": 65504.0}[kv_dtype]
+    return big / 127
+
+
+def _check_int8_values(buf, data_start: int, hdr: dict, lim: ImportLimits, blocks: int) -> None:
+    """An INT8 payload's values (layout already checked): every scale finite and in (0, the
+    largest that keeps 127 steps finite in this engine's dtype], or exactly 0 with its whole
+    (block, KV head) 0; every int8 value in -127..127 (what the quantiser makes)."""
+    import numpy as np
+
+    top = max_int8_scale(lim.kv_dtype)
+    groups = blocks * lim.num_kv_heads
+    for i in range(lim.num_layers):
+        sk, qk = scale_key(i), layer_key(i)
+        # copies (one layer at a time): no array may still view ``buf`` (an mmap) when this
+        # raises, or closing the map fails
+        s0, s1 = hdr[sk]["data_offsets"]
+        scale = np.frombuffer(bytes(buf[data_start + s0:data_start + s1]), dtype=np.dtype("<f4"))
+        if not (np.isfinite(scale).all() and (scale >= 0).all() and (scale <= top).all()):
+            raise _bad(f"KV payload: {sk} holds a scale that is not finite, negative or above "
+                       f"{top:.3g} (the largest whose steps stay finite in {lim.kv_dtype})")
+        q0, q1 = hdr[qk]["data_offsets"]
+        q = np.frombuffer(bytes(buf[data_start + q0:data_start + q1]),
+                          dtype=np.int8).reshape(groups, lim.group_elements)
+        if (q == -128).any():
+            raise _bad(f"KV payload: {qk} holds -128 (INT8 KV is symmetric: -127..127)")
+        zero = scale == 0
+        if zero.any() and q[zero].any():
+            raise _bad(f"KV payload: {sk} is 0 where {qk} is not all zero")

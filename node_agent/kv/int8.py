@@ -7,14 +7,21 @@ Error: every element is within half a step (its scale / 2) of the original, a st
 largest magnitude of its (block, KV head) over 127; an all-zero (block, head) is exact.
 Size: :func:`remp.recovery.int8_payload_bytes` (the cost model's arithmetic, shared).
 
-Not wired yet: the agent's export (merge of the rank parts), :func:`~node_agent.kv.codec.
-check_payload` and the ranks' load still move the engine's dtype; this module and the decision's
-choice of format (:func:`remp.recovery.decide`, ``RecoveryConfig.kv_int8``) are the first part.
+Wiring: the source agent quantises the merged payload file when the decision's format is INT8
+(:func:`quantize_file`: per layer ``L<i>`` int8 and ``L<i>.scale``); the target checks it
+(:func:`~node_agent.kv.codec.check_payload`, format INT8) and dequantises it into a payload of
+its engine's dtype (:func:`dequantize_file`) before the import connector loads it.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from node_agent.kv.codec import layer_key, scale_key
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 QMAX = 127  # symmetric: -127 … 127 (-128 unused, so that negation is exact)
 
@@ -56,3 +63,35 @@ def group_elements(layer_shape: tuple[int, ...]) -> int:
     for d in layer_shape[2:]:
         n *= d
     return n
+
+
+def quantize_file(src: str, out: str) -> str:
+    """A full-format payload file (one tensor ``L<i>`` per layer) as an INT8 payload at ``out``
+    (``L<i>`` int8 and ``L<i>.scale`` float32); ``src`` is removed. Returns ``out``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    with safe_open(src, framework="pt") as st:
+        for key in st.keys():  # noqa: SIM118 - a safetensors file, not a dict
+            q, scale = quantize(st.get_tensor(key))
+            layer = int(key[1:])
+            tensors[layer_key(layer)], tensors[scale_key(layer)] = q, scale
+    save_file(tensors, out)
+    os.unlink(src)
+    return out
+
+
+def dequantize_file(src: str, out: str, dtype: str, layers: int) -> str:
+    """A checked INT8 payload (:func:`~node_agent.kv.codec.check_payload`) as a full-format
+    payload of ``dtype`` (the engine's KV dtype name) at ``out``; ``src`` is removed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(src, framework="pt") as st:
+        tensors = {layer_key(i): dequantize(st.get_tensor(layer_key(i)),
+                                            st.get_tensor(scale_key(i)), DTYPES[dtype])
+                   for i in range(layers)}
+    save_file(tensors, out)
+    os.unlink(src)
+    return out

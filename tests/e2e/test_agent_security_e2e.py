@@ -264,6 +264,46 @@ def test_a_well_formed_import_runs(agent):
     still_serving(agent)
 
 
+def _int8_kv(agent, tokens: int, q=1, scale=0.01) -> bytes:
+    """An INT8 payload of this engine's layout: per layer ``L<i>`` int8 and ``L<i>.scale``."""
+    bs, m = _layout(agent)
+    blocks = -(-(tokens - 1) // bs)
+    t = {}
+    for i in range(m.num_layers):
+        t[f"L{i}"] = np.full((blocks, m.num_kv_heads, bs, 2 * m.head_size), q, np.int8)
+        t[f"L{i}.scale"] = np.full((blocks, m.num_kv_heads), scale, np.float32)
+    return save(t)
+
+
+def test_hostile_int8_imports_are_invalid_arguments_and_the_engine_keeps_serving(agent):
+    ids, out = list(range(3, 40)), [7, 8, 9]
+    n = len(ids) + len(out)
+    i8 = {"kv_format": pb.KV_FORMAT_INT8}
+    # scales that are NaN, infinite, negative, or too large for the engine's dtype
+    for scale in (float("nan"), float("inf"), -1.0, 1e37):
+        bad = _int8_kv(agent, n, scale=scale)
+        assert "L0.scale" in _import_refused(agent, _header(agent, ids, out, bad, **i8), bad)
+    # a zero scale over a group that is not zero; -128 (the quantiser never makes it)
+    bad = _int8_kv(agent, n, q=3, scale=0.0)
+    assert "is 0 where" in _import_refused(agent, _header(agent, ids, out, bad, **i8), bad)
+    bad = _int8_kv(agent, n, q=-128)
+    assert "-128" in _import_refused(agent, _header(agent, ids, out, bad, **i8), bad)
+    # the full format's size announced as INT8, an INT8 payload cut short, an unknown format
+    full = _kv(agent, n)
+    assert "is not the size" in _import_refused(agent, _header(agent, ids, out, full, **i8),
+                                                 full)
+    good = _int8_kv(agent, n)
+    assert "incomplete" in _import_refused(agent, _header(agent, ids, out, good, **i8),
+                                           good[:-1])
+    assert "kv_format" in _import_refused(agent, _header(agent, ids, out, good, kv_format=9),
+                                          good)
+    # a well-formed INT8 payload is dequantised and runs
+    events = _import(agent, _header(agent, ids, out, good, max_tokens=len(out) + 3, **i8), good)
+    assert events[0].loaded_tokens == n - 1
+    assert events[-1].finished and sum(len(e.token_ids) for e in events) == 3
+    still_serving(agent)
+
+
 def test_kv_transfer_params_from_http_never_reach_the_connector(agent):
     # an OpenAI client naming a file for the import connector: an ordinary request
     for path in ("/etc/passwd", f"/tmp/import-{'0' * 32}.safetensors"):

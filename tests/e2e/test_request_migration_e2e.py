@@ -31,7 +31,7 @@ from remp.auth import Credentials, aio_channel
 from remp.common.v1 import types_pb2 as T
 from remp.node_agent.v1 import node_agent_pb2 as pb
 from remp.node_agent.v1 import node_agent_pb2_grpc
-from remp.recovery import PrefillTable, crossover_bandwidth
+from remp.recovery import PrefillTable, crossover_bandwidth, int8_payload_bytes
 from tests.helpers import AgentProcess, arm_migration, prompt, stream_completion
 
 pytestmark = pytest.mark.e2e
@@ -177,6 +177,34 @@ def test_zeroed_kv_diverges(agents):
     assert d.action == T.RECOVERY_ACTION_MIGRATE
     assert got != reference and got.endswith(cont)
     assert reference.startswith(got[:len(got) - len(cont)])
+
+
+def test_int8_kv_migration_sends_a_smaller_payload_and_the_request_completes(agents, reference):
+    # issue 18: the call's kv_int8 override (A runs with the default --kv-int8 off)
+    a, b, _ = agents
+    got, cont, d, first, errors = migrate(a, b, mode=pb.RECOVERY_MODE_MIGRATE,
+                                          kv_int8=pb.KV_INT8_MODE_ON)
+    assert d.action == T.RECOVERY_ACTION_MIGRATE and first.kv_format == pb.KV_FORMAT_INT8
+    # the payload: one byte per element + a float32 scale per (layer, block, KV head), plus its
+    # safetensors header; the tiny fp32 model's full width is 3.98x that
+    desc = a.describe()
+    group = desc.engine.block_size * 2 * desc.model.head_size  # one (block, KV head)
+    tensors = int8_payload_bytes(d.kv_bytes, 4, group)
+    assert tensors + 10 <= first.payload_bytes <= tensors + 1024 + 320 * 4
+    assert d.kv_bytes / first.payload_bytes >= 3.9
+    # the continuation completed on B and reached the client; before the move it is A's
+    assert cont and got.endswith(cont) and not errors
+    assert reference.startswith(got[:len(got) - len(cont)])
+    # auto on a slow link: INT8 (the smaller payload wins once the link, not the codec, binds)
+    got, cont, d, first, errors = migrate(a, b, mode=pb.RECOVERY_MODE_MIGRATE,
+                                          kv_int8=pb.KV_INT8_MODE_AUTO,
+                                          bandwidth_limit_bps=20e6)
+    assert first.kv_format == pb.KV_FORMAT_INT8 and cont and got.endswith(cont) and not errors
+    # off (the call asks for it): full width, token-exact as before
+    got, cont, d, first, errors = migrate(a, b, mode=pb.RECOVERY_MODE_MIGRATE,
+                                          kv_int8=pb.KV_INT8_MODE_OFF)
+    assert first.kv_format == pb.KV_FORMAT_FULL and got == reference
+    assert first.payload_bytes > d.kv_bytes  # tensors + header
 
 
 def test_throttle_flips_the_decision_at_the_predicted_crossover(agents, reference):

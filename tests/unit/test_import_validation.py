@@ -272,3 +272,96 @@ async def test_a_slow_sender_cannot_hold_an_import_slot(tmp_path):
     path = await _receive_payload(str(tmp_path), fast(), 10, deadline_s=5)
     with open(path, "rb") as f:
         assert f.read() == b"y" * 10
+
+
+# ---------------------------------------------------------------- INT8 payloads (issue 18)
+
+def int8_kv(blocks=3, layers=4, rest=(16, 64), q=5, scale=0.01, extra=None, drop=()):
+    t = {}
+    for i in range(layers):
+        t[f"L{i}"] = np.full((blocks, 4, *rest), q, dtype=np.int8)
+        t[f"L{i}.scale"] = np.full((blocks, 4), scale, dtype=np.float32)
+    for k in drop:
+        t.pop(k)
+    t.update(extra or {})
+    return save(t)
+
+
+def int8_header(data: bytes, **kw) -> pb.ImportHeader:
+    return header(data, kv_format=pb.KV_FORMAT_INT8, **kw)
+
+
+def test_an_int8_export_passes_and_its_size_is_exact():
+    data = int8_kv()
+    plan = check_header(int8_header(data), LIM)
+    assert plan.kv_format == "int8" and 3 in plan.blocks
+    assert check_payload(data, plan, LIM) == 3
+    # tensors: one byte per element + a float32 per (layer, block, KV head): the cost model's
+    tensor_bytes = len(data) - 8 - int.from_bytes(data[:8], "little")
+    full = 3 * LIM.block_bytes
+    from remp.recovery import int8_payload_bytes
+    assert tensor_bytes == int8_payload_bytes(full, 4, LIM.group_elements) \
+        == 3 * LIM.format_block_bytes("int8")
+    assert full / tensor_bytes == pytest.approx(3.98, abs=0.01)
+    # the same bytes announced as the full format do not fit the model's full-width size
+    assert "is not the size" in refused(InvalidArgument, check_header, header(data), LIM)
+    # and a full payload announced as INT8 neither
+    assert "is not the size" in refused(InvalidArgument, check_header, int8_header(kv()), LIM)
+
+
+def test_an_unknown_kv_format_is_refused():
+    data = kv()
+    assert "kv_format 7" in refused(InvalidArgument, check_header, header(data, kv_format=7),
+                                    LIM)
+    # UNSPECIFIED (a sender from before INT8) is the full format
+    assert check_header(header(data, kv_format=0), LIM).kv_format == "full"
+
+
+@pytest.mark.parametrize("scale,msg", [
+    (float("nan"), "not finite"), (float("inf"), "not finite"), (-0.5, "negative"),
+    (1e37, "above"),  # 127 steps of it overflow float32
+])
+def test_int8_bad_scales_are_refused(scale, msg):
+    data = int8_kv(scale=scale)
+    plan = check_header(int8_header(data), LIM)
+    assert "L0.scale" in refused(InvalidArgument, check_payload, data, plan, LIM)
+
+
+def test_int8_zero_scale_only_for_an_all_zero_group():
+    zero = int8_kv(q=0, scale=0.0)
+    assert check_payload(zero, check_header(int8_header(zero), LIM), LIM) == 3
+    bad = int8_kv(q=3, scale=0.0)
+    assert "is 0 where L0 is not all zero" in refused(
+        InvalidArgument, check_payload, bad, check_header(int8_header(bad), LIM), LIM)
+
+
+def test_int8_minus_128_is_refused():
+    data = int8_kv(q=-128)
+    assert "-128" in refused(InvalidArgument, check_payload, data,
+                             check_header(int8_header(data), LIM), LIM)
+
+
+@pytest.mark.parametrize("make,msg", [
+    # scales as int32: the same size, the wrong dtype
+    (lambda: int8_kv(extra={f"L{i}.scale": np.full((3, 4), 1, np.int32)
+                            for i in range(4)}), "expected F32"),
+    (lambda: int8_kv(extra={"L0": np.full((3, 4, 16, 64), 1, np.uint8)}), "expected I8"),
+    (lambda: int8_kv(extra={"L0.scale": np.full((4, 3), 0.01, np.float32)}), "has shape"),
+    (lambda: int8_kv(drop=["L3.scale"], extra={"L3.scales": np.full((3, 4), 0.01, np.float32)}),
+     "L<i>.scale"),
+])
+def test_int8_tensor_names_dtypes_and_shapes_are_exact(make, msg):
+    data = make()
+    try:
+        plan = check_header(int8_header(data), LIM)
+    except InvalidArgument as exc:  # a size the format cannot have is refused at the header
+        assert "is not the size" in str(exc)
+        return
+    assert msg in refused(InvalidArgument, check_payload, data, plan, LIM)
+
+
+def test_int8_payload_wrong_size_is_refused():
+    data = int8_kv()
+    plan = check_header(int8_header(data), LIM)
+    assert "incomplete" in refused(InvalidArgument, check_payload, data[:-1], plan, LIM)
+    assert "incomplete" in refused(InvalidArgument, check_payload, data + b"\0", plan, LIM)

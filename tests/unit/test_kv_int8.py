@@ -1,6 +1,6 @@
 """INT8 KV for cross-host migration: the codec (node_agent.kv.int8) and the decision's choice of
-format (remp.recovery: kv_int8 off / on / auto, codec time in the cost). Not wired into the
-agent's export and import yet (see node_agent/kv/int8.py)."""
+format (remp.recovery: kv_int8 off / on / auto, codec time in the cost), and the payload files
+the agent sends (quantize_file) and the target loads (check_payload, dequantize_file)."""
 
 from __future__ import annotations
 
@@ -114,3 +114,37 @@ def test_settings_are_checked():
         RecoveryConfig(int8_codec_s_per_byte=-1)
     with pytest.raises(ValueError):
         DisplacedRequest("r", kv_bytes=1, tokens=1, int8_bytes=-1)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
+def test_payload_file_round_trip_passes_the_targets_check(tmp_path, dtype, name):
+    """Source: a merged full payload → INT8 file (quantize_file); target: check_payload (INT8)
+    → dequantize_file into the engine's dtype; every element within half a step."""
+    from safetensors.torch import load_file, save_file
+
+    from node_agent.kv.codec import INT8, ImportLimits, ImportPlan, check_payload
+    from node_agent.kv.int8 import dequantize_file, quantize_file
+
+    layers = {f"L{i}": layer(dtype, seed=i) for i in range(4)}
+    full = tmp_path / "export.safetensors"
+    save_file(layers, full)
+    q = quantize_file(str(full), str(tmp_path / "export.int8.safetensors"))
+    assert not full.exists()
+    lim = ImportLimits(vocab_size=2048, max_model_len=512, block_size=16, num_layers=4,
+                       num_kv_heads=4, head_size=32, kv_dtype=name, kv_rest=SHAPE[2:])
+    with open(q, "rb") as f:
+        data = f.read()
+    assert check_payload(data, ImportPlan("r", len(data), (SHAPE[0],), INT8), lim) == SHAPE[0]
+    full_bytes = sum(t.numel() * t.element_size() for t in layers.values())
+    header = 8 + int.from_bytes(data[:8], "little")
+    assert len(data) - header == int8_payload_bytes(full_bytes, dtype.itemsize,
+                                                    group_elements(SHAPE))
+    out = dequantize_file(q, str(tmp_path / "import.safetensors"), name, 4)
+    back = load_file(out)
+    assert set(back) == set(layers)
+    for k, x in layers.items():
+        assert back[k].dtype == dtype and back[k].shape == x.shape
+        _, scale = quantize(x)
+        step = scale.view(*SHAPE[:2], 1, 1, 1)
+        slack = 0 if dtype == torch.float32 else x.float().abs() * 2 ** -8
+        assert bool(((back[k].float() - x.float()).abs() <= step / 2 * (1 + 1e-6) + slack).all())

@@ -25,15 +25,19 @@ _sym_db = _symbol_database.Default()
 from remp.common.v1 import types_pb2 as remp_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#remp/node_agent/v1/node_agent.proto\x12\x12remp.node_agent.v1\x1a\x1aremp/common/v1/types.proto\"C\n\x12SetDrainingRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x1b\n\x13retry_after_seconds\x18\x02 \x01(\r\"\'\n\x13SetDrainingResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\x15\n\x13ListRequestsRequest\"\x83\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\"I\n\x14ListRequestsResponse\x12\x31\n\x08requests\x18\x01 \x03(\x0b\x32\x1f.remp.node_agent.v1.RequestInfo\"\xcd\x01\n\x15MigrateRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etarget_address\x18\x02 \x01(\t\x12.\n\x04mode\x18\x03 \x01(\x0e\x32 .remp.node_agent.v1.RecoveryMode\x12\x1b\n\x13\x62\x61ndwidth_limit_bps\x18\x04 \x01(\x01\x12\x1a\n\x12slo_budget_seconds\x18\x05 \x01(\x01\x12\x13\n\x0btarget_node\x18\x06 \x01(\tJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\xde\x01\n\x13MigrateRequestEvent\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .remp.common.v1.RecoveryDecision\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x65xport_seconds\x18\x07 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x08 \x01(\x01\"\xb9\x01\n\x0cImportHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x12\n\nblock_size\x18\x08 \x01(\r\"K\n\x0bImportChunk\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32 .remp.node_agent.v1.ImportHeader\x12\n\n\x02kv\x18\x02 \x01(\x0c\"\x87\x01\n\x0bImportEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rloaded_tokens\x18\x05 \x01(\r\x12\x17\n\x0freceive_seconds\x18\x06 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xd2\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04host\x18\x02 \x01(\x0b\x32\x19.remp.common.v1.HostFacts\x12)\n\x05model\x18\x03 \x01(\x0b\x32\x1a.remp.common.v1.ModelFacts\x12*\n\x08topology\x18\x04 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12,\n\ncandidates\x18\x05 \x03(\x0b\x32\x18.remp.common.v1.Topology\x12\x33\n\rengine_status\x18\x06 \x01(\x0e\x32\x1c.remp.common.v1.EngineStatus\x12\x14\n\x0cvllm_version\x18\x07 \x01(\t\x12\x15\n\ragent_version\x18\x08 \x01(\t\x12\x14\n\x0chttp_address\x18\t \x01(\t\x12+\n\x07workers\x18\n \x03(\x0b\x32\x1a.remp.common.v1.WorkerInfo\x12\x19\n\x11\x63urrent_switch_id\x18\x0b \x01(\t\x12\x12\n\nworld_size\x18\x0c \x01(\r\x12.\n\x06\x65ngine\x18\r \x01(\x0b\x32\x1e.remp.node_agent.v1.EngineInfo\"\x84\x01\n\nEngineInfo\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x17\n\x0f\x65ngine_core_pid\x18\x06 \x01(\x03\"\xa2\x01\n\x14\x45xecuteSwitchRequest\x12(\n\x06target\x18\x01 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x11\n\tswitch_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1c\n\x14sequential_data_path\x18\x05 \x01(\x08J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\xc3\x01\n\x0bSwitchEvent\x12\x11\n\tswitch_id\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.remp.common.v1.Phase\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12,\n\x06record\x18\x04 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.remp.common.v1.Error\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"%\n\x10GetSwitchRequest\x12\x11\n\tswitch_id\x18\x01 \x01(\t\"A\n\x11GetSwitchResponse\x12,\n\x06record\x18\x01 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord\"7\n\x12\x41\x62ortSwitchRequest\x12\x11\n\tswitch_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"L\n\x13\x41\x62ortSwitchResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.remp.common.v1.Phase*e\n\x0cRecoveryMode\x12\x1d\n\x19RECOVERY_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15RECOVERY_MODE_MIGRATE\x10\x01\x12\x1b\n\x17RECOVERY_MODE_RECOMPUTE\x10\x02\x32\xfc\x05\n\tNodeAgent\x12U\n\x08\x44\x65scribe\x12#.remp.node_agent.v1.DescribeRequest\x1a$.remp.node_agent.v1.DescribeResponse\x12\\\n\rExecuteSwitch\x12(.remp.node_agent.v1.ExecuteSwitchRequest\x1a\x1f.remp.node_agent.v1.SwitchEvent0\x01\x12^\n\x0b\x41\x62ortSwitch\x12&.remp.node_agent.v1.AbortSwitchRequest\x1a\'.remp.node_agent.v1.AbortSwitchResponse\x12X\n\tGetSwitch\x12$.remp.node_agent.v1.GetSwitchRequest\x1a%.remp.node_agent.v1.GetSwitchResponse\x12\x61\n\x0cListRequests\x12\'.remp.node_agent.v1.ListRequestsRequest\x1a(.remp.node_agent.v1.ListRequestsResponse\x12\x66\n\x0eMigrateRequest\x12).remp.node_agent.v1.MigrateRequestRequest\x1a\'.remp.node_agent.v1.MigrateRequestEvent0\x01\x12U\n\rImportRequest\x12\x1f.remp.node_agent.v1.ImportChunk\x1a\x1f.remp.node_agent.v1.ImportEvent(\x01\x30\x01\x12^\n\x0bSetDraining\x12&.remp.node_agent.v1.SetDrainingRequest\x1a\'.remp.node_agent.v1.SetDrainingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#remp/node_agent/v1/node_agent.proto\x12\x12remp.node_agent.v1\x1a\x1aremp/common/v1/types.proto\"C\n\x12SetDrainingRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x1b\n\x13retry_after_seconds\x18\x02 \x01(\r\"\'\n\x13SetDrainingResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\x15\n\x13ListRequestsRequest\"\x83\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\"I\n\x14ListRequestsResponse\x12\x31\n\x08requests\x18\x01 \x03(\x0b\x32\x1f.remp.node_agent.v1.RequestInfo\"\xfe\x01\n\x15MigrateRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etarget_address\x18\x02 \x01(\t\x12.\n\x04mode\x18\x03 \x01(\x0e\x32 .remp.node_agent.v1.RecoveryMode\x12\x1b\n\x13\x62\x61ndwidth_limit_bps\x18\x04 \x01(\x01\x12\x1a\n\x12slo_budget_seconds\x18\x05 \x01(\x01\x12\x13\n\x0btarget_node\x18\x06 \x01(\t\x12/\n\x07kv_int8\x18\t \x01(\x0e\x32\x1e.remp.node_agent.v1.KvInt8ModeJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\xa6\x02\n\x13MigrateRequestEvent\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .remp.common.v1.RecoveryDecision\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x65xport_seconds\x18\x07 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x08 \x01(\x01\x12/\n\tkv_format\x18\t \x01(\x0e\x32\x1c.remp.node_agent.v1.KvFormat\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\"\xea\x01\n\x0cImportHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12/\n\tkv_format\x18\t \x01(\x0e\x32\x1c.remp.node_agent.v1.KvFormat\"K\n\x0bImportChunk\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32 .remp.node_agent.v1.ImportHeader\x12\n\n\x02kv\x18\x02 \x01(\x0c\"\x87\x01\n\x0bImportEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rloaded_tokens\x18\x05 \x01(\r\x12\x17\n\x0freceive_seconds\x18\x06 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xd2\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04host\x18\x02 \x01(\x0b\x32\x19.remp.common.v1.HostFacts\x12)\n\x05model\x18\x03 \x01(\x0b\x32\x1a.remp.common.v1.ModelFacts\x12*\n\x08topology\x18\x04 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12,\n\ncandidates\x18\x05 \x03(\x0b\x32\x18.remp.common.v1.Topology\x12\x33\n\rengine_status\x18\x06 \x01(\x0e\x32\x1c.remp.common.v1.EngineStatus\x12\x14\n\x0cvllm_version\x18\x07 \x01(\t\x12\x15\n\ragent_version\x18\x08 \x01(\t\x12\x14\n\x0chttp_address\x18\t \x01(\t\x12+\n\x07workers\x18\n \x03(\x0b\x32\x1a.remp.common.v1.WorkerInfo\x12\x19\n\x11\x63urrent_switch_id\x18\x0b \x01(\t\x12\x12\n\nworld_size\x18\x0c \x01(\r\x12.\n\x06\x65ngine\x18\r \x01(\x0b\x32\x1e.remp.node_agent.v1.EngineInfo\"\x84\x01\n\nEngineInfo\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x17\n\x0f\x65ngine_core_pid\x18\x06 \x01(\x03\"\xa2\x01\n\x14\x45xecuteSwitchRequest\x12(\n\x06target\x18\x01 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x11\n\tswitch_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1c\n\x14sequential_data_path\x18\x05 \x01(\x08J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\xc3\x01\n\x0bSwitchEvent\x12\x11\n\tswitch_id\x18\x01 \x01(\t\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.remp.common.v1.Phase\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12,\n\x06record\x18\x04 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.remp.common.v1.Error\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"%\n\x10GetSwitchRequest\x12\x11\n\tswitch_id\x18\x01 \x01(\t\"A\n\x11GetSwitchResponse\x12,\n\x06record\x18\x01 \x01(\x0b\x32\x1c.remp.common.v1.SwitchRecord\"7\n\x12\x41\x62ortSwitchRequest\x12\x11\n\tswitch_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"L\n\x13\x41\x62ortSwitchResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x12$\n\x05phase\x18\x02 \x01(\x0e\x32\x15.remp.common.v1.Phase*e\n\x0cRecoveryMode\x12\x1d\n\x19RECOVERY_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15RECOVERY_MODE_MIGRATE\x10\x01\x12\x1b\n\x17RECOVERY_MODE_RECOMPUTE\x10\x02*l\n\nKvInt8Mode\x12\x1c\n\x18KV_INT8_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_INT8_MODE_OFF\x10\x01\x12\x13\n\x0fKV_INT8_MODE_ON\x10\x02\x12\x15\n\x11KV_INT8_MODE_AUTO\x10\x03*M\n\x08KvFormat\x12\x19\n\x15KV_FORMAT_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_FORMAT_FULL\x10\x01\x12\x12\n\x0eKV_FORMAT_INT8\x10\x02\x32\xfc\x05\n\tNodeAgent\x12U\n\x08\x44\x65scribe\x12#.remp.node_agent.v1.DescribeRequest\x1a$.remp.node_agent.v1.DescribeResponse\x12\\\n\rExecuteSwitch\x12(.remp.node_agent.v1.ExecuteSwitchRequest\x1a\x1f.remp.node_agent.v1.SwitchEvent0\x01\x12^\n\x0b\x41\x62ortSwitch\x12&.remp.node_agent.v1.AbortSwitchRequest\x1a\'.remp.node_agent.v1.AbortSwitchResponse\x12X\n\tGetSwitch\x12$.remp.node_agent.v1.GetSwitchRequest\x1a%.remp.node_agent.v1.GetSwitchResponse\x12\x61\n\x0cListRequests\x12\'.remp.node_agent.v1.ListRequestsRequest\x1a(.remp.node_agent.v1.ListRequestsResponse\x12\x66\n\x0eMigrateRequest\x12).remp.node_agent.v1.MigrateRequestRequest\x1a\'.remp.node_agent.v1.MigrateRequestEvent0\x01\x12U\n\rImportRequest\x12\x1f.remp.node_agent.v1.ImportChunk\x1a\x1f.remp.node_agent.v1.ImportEvent(\x01\x30\x01\x12^\n\x0bSetDraining\x12&.remp.node_agent.v1.SetDrainingRequest\x1a\'.remp.node_agent.v1.SetDrainingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'remp.node_agent.v1.node_agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RECOVERYMODE']._serialized_start=2492
-  _globals['_RECOVERYMODE']._serialized_end=2593
+  _globals['_RECOVERYMODE']._serialized_start=2662
+  _globals['_RECOVERYMODE']._serialized_end=2763
+  _globals['_KVINT8MODE']._serialized_start=2765
+  _globals['_KVINT8MODE']._serialized_end=2873
+  _globals['_KVFORMAT']._serialized_start=2875
+  _globals['_KVFORMAT']._serialized_end=2952
   _globals['_SETDRAININGREQUEST']._serialized_start=87
   _globals['_SETDRAININGREQUEST']._serialized_end=154
   _globals['_SETDRAININGRESPONSE']._serialized_start=156
@@ -45,33 +49,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREQUESTSRESPONSE']._serialized_start=354
   _globals['_LISTREQUESTSRESPONSE']._serialized_end=427
   _globals['_MIGRATEREQUESTREQUEST']._serialized_start=430
-  _globals['_MIGRATEREQUESTREQUEST']._serialized_end=635
-  _globals['_MIGRATEREQUESTEVENT']._serialized_start=638
-  _globals['_MIGRATEREQUESTEVENT']._serialized_end=860
-  _globals['_IMPORTHEADER']._serialized_start=863
-  _globals['_IMPORTHEADER']._serialized_end=1048
-  _globals['_IMPORTCHUNK']._serialized_start=1050
-  _globals['_IMPORTCHUNK']._serialized_end=1125
-  _globals['_IMPORTEVENT']._serialized_start=1128
-  _globals['_IMPORTEVENT']._serialized_end=1263
-  _globals['_DESCRIBEREQUEST']._serialized_start=1265
-  _globals['_DESCRIBEREQUEST']._serialized_end=1282
-  _globals['_DESCRIBERESPONSE']._serialized_start=1285
-  _globals['_DESCRIBERESPONSE']._serialized_end=1751
-  _globals['_ENGINEINFO']._serialized_start=1754
-  _globals['_ENGINEINFO']._serialized_end=1886
-  _globals['_EXECUTESWITCHREQUEST']._serialized_start=1889
-  _globals['_EXECUTESWITCHREQUEST']._serialized_end=2051
-  _globals['_SWITCHEVENT']._serialized_start=2054
-  _globals['_SWITCHEVENT']._serialized_end=2249
-  _globals['_GETSWITCHREQUEST']._serialized_start=2251
-  _globals['_GETSWITCHREQUEST']._serialized_end=2288
-  _globals['_GETSWITCHRESPONSE']._serialized_start=2290
-  _globals['_GETSWITCHRESPONSE']._serialized_end=2355
-  _globals['_ABORTSWITCHREQUEST']._serialized_start=2357
-  _globals['_ABORTSWITCHREQUEST']._serialized_end=2412
-  _globals['_ABORTSWITCHRESPONSE']._serialized_start=2414
-  _globals['_ABORTSWITCHRESPONSE']._serialized_end=2490
-  _globals['_NODEAGENT']._serialized_start=2596
-  _globals['_NODEAGENT']._serialized_end=3360
+  _globals['_MIGRATEREQUESTREQUEST']._serialized_end=684
+  _globals['_MIGRATEREQUESTEVENT']._serialized_start=687
+  _globals['_MIGRATEREQUESTEVENT']._serialized_end=981
+  _globals['_IMPORTHEADER']._serialized_start=984
+  _globals['_IMPORTHEADER']._serialized_end=1218
+  _globals['_IMPORTCHUNK']._serialized_start=1220
+  _globals['_IMPORTCHUNK']._serialized_end=1295
+  _globals['_IMPORTEVENT']._serialized_start=1298
+  _globals['_IMPORTEVENT']._serialized_end=1433
+  _globals['_DESCRIBEREQUEST']._serialized_start=1435
+  _globals['_DESCRIBEREQUEST']._serialized_end=1452
+  _globals['_DESCRIBERESPONSE']._serialized_start=1455
+  _globals['_DESCRIBERESPONSE']._serialized_end=1921
+  _globals['_ENGINEINFO']._serialized_start=1924
+  _globals['_ENGINEINFO']._serialized_end=2056
+  _globals['_EXECUTESWITCHREQUEST']._serialized_start=2059
+  _globals['_EXECUTESWITCHREQUEST']._serialized_end=2221
+  _globals['_SWITCHEVENT']._serialized_start=2224
+  _globals['_SWITCHEVENT']._serialized_end=2419
+  _globals['_GETSWITCHREQUEST']._serialized_start=2421
+  _globals['_GETSWITCHREQUEST']._serialized_end=2458
+  _globals['_GETSWITCHRESPONSE']._serialized_start=2460
+  _globals['_GETSWITCHRESPONSE']._serialized_end=2525
+  _globals['_ABORTSWITCHREQUEST']._serialized_start=2527
+  _globals['_ABORTSWITCHREQUEST']._serialized_end=2582
+  _globals['_ABORTSWITCHRESPONSE']._serialized_start=2584
+  _globals['_ABORTSWITCHRESPONSE']._serialized_end=2660
+  _globals['_NODEAGENT']._serialized_start=2955
+  _globals['_NODEAGENT']._serialized_end=3719
 # @@protoc_insertion_point(module_scope)

@@ -13,9 +13,29 @@ class RecoveryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECOVERY_MODE_UNSPECIFIED: _ClassVar[RecoveryMode]
     RECOVERY_MODE_MIGRATE: _ClassVar[RecoveryMode]
     RECOVERY_MODE_RECOMPUTE: _ClassVar[RecoveryMode]
+
+class KvInt8Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_INT8_MODE_UNSPECIFIED: _ClassVar[KvInt8Mode]
+    KV_INT8_MODE_OFF: _ClassVar[KvInt8Mode]
+    KV_INT8_MODE_ON: _ClassVar[KvInt8Mode]
+    KV_INT8_MODE_AUTO: _ClassVar[KvInt8Mode]
+
+class KvFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_FORMAT_UNSPECIFIED: _ClassVar[KvFormat]
+    KV_FORMAT_FULL: _ClassVar[KvFormat]
+    KV_FORMAT_INT8: _ClassVar[KvFormat]
 RECOVERY_MODE_UNSPECIFIED: RecoveryMode
 RECOVERY_MODE_MIGRATE: RecoveryMode
 RECOVERY_MODE_RECOMPUTE: RecoveryMode
+KV_INT8_MODE_UNSPECIFIED: KvInt8Mode
+KV_INT8_MODE_OFF: KvInt8Mode
+KV_INT8_MODE_ON: KvInt8Mode
+KV_INT8_MODE_AUTO: KvInt8Mode
+KV_FORMAT_UNSPECIFIED: KvFormat
+KV_FORMAT_FULL: KvFormat
+KV_FORMAT_INT8: KvFormat
 
 class SetDrainingRequest(_message.Message):
     __slots__ = ("draining", "retry_after_seconds")
@@ -58,23 +78,25 @@ class ListRequestsResponse(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class MigrateRequestRequest(_message.Message):
-    __slots__ = ("request_id", "target_address", "mode", "bandwidth_limit_bps", "slo_budget_seconds", "target_node")
+    __slots__ = ("request_id", "target_address", "mode", "bandwidth_limit_bps", "slo_budget_seconds", "target_node", "kv_int8")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_LIMIT_BPS_FIELD_NUMBER: _ClassVar[int]
     SLO_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    KV_INT8_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     target_address: str
     mode: RecoveryMode
     bandwidth_limit_bps: float
     slo_budget_seconds: float
     target_node: str
-    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ..., mode: _Optional[_Union[RecoveryMode, str]] = ..., bandwidth_limit_bps: _Optional[float] = ..., slo_budget_seconds: _Optional[float] = ..., target_node: _Optional[str] = ...) -> None: ...
+    kv_int8: KvInt8Mode
+    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ..., mode: _Optional[_Union[RecoveryMode, str]] = ..., bandwidth_limit_bps: _Optional[float] = ..., slo_budget_seconds: _Optional[float] = ..., target_node: _Optional[str] = ..., kv_int8: _Optional[_Union[KvInt8Mode, str]] = ...) -> None: ...
 
 class MigrateRequestEvent(_message.Message):
-    __slots__ = ("decision", "token_ids", "text", "finished", "finish_reason", "transfer_seconds", "export_seconds", "receive_seconds")
+    __slots__ = ("decision", "token_ids", "text", "finished", "finish_reason", "transfer_seconds", "export_seconds", "receive_seconds", "kv_format", "payload_bytes")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +105,8 @@ class MigrateRequestEvent(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     decision: _types_pb2.RecoveryDecision
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -91,10 +115,12 @@ class MigrateRequestEvent(_message.Message):
     transfer_seconds: float
     export_seconds: float
     receive_seconds: float
-    def __init__(self, decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
+    kv_format: KvFormat
+    payload_bytes: int
+    def __init__(self, decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., export_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., kv_format: _Optional[_Union[KvFormat, str]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class ImportHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos", "kv_bytes", "block_size")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos", "kv_bytes", "block_size", "kv_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +129,7 @@ class ImportHeader(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +138,8 @@ class ImportHeader(_message.Message):
     ignore_eos: bool
     kv_bytes: int
     block_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kv_format: KvFormat
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_format: _Optional[_Union[KvFormat, str]] = ...) -> None: ...
 
 class ImportChunk(_message.Message):
     __slots__ = ("header", "kv")
