@@ -21,7 +21,11 @@ from tests.helpers import AgentProcess, prompt, stream_completion, switch_under_
 pytestmark = pytest.mark.e2e
 
 POOL = 16  # blocks at world 2 (--num-gpu-blocks-override): 8 in TP1PP1
-MAX_TOKENS = 60
+# Each request keeps 2 blocks of 128 from its first to its last token (prompts of 150-166 tokens):
+# at most 90 tokens. The agent's workers sleep between steps (--worker-spin-seconds 0): at their
+# 0.02 s spin the tiny model decodes ~290 tokens/s here, 60-token requests lasted 0.2 s and the
+# busy cores admitted the second after the first had ended (the start gate then saw 1 of 2)
+MAX_TOKENS = 85
 PROMPTS = [prompt(i) for i in range(2)]
 CROWD = [prompt(2 + i) for i in range(4)]  # 4 requests × 2 blocks of 128 > 7 usable in TP1PP1
 ACTIVE, STANDBY = types_pb2.WORKER_STATE_ACTIVE, types_pb2.WORKER_STATE_STANDBY
@@ -32,6 +36,7 @@ _ids = itertools.count()
 def agent(tiny_model, artifacts_dir, reaper):
     a = AgentProcess(tiny_model, tp=2, pp=1, dtype="float32", log_dir=artifacts_dir,
                      node="e2e-world", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
+                     worker_spin=0,
                      extra=["--", "--num-gpu-blocks-override", str(POOL)])
     a.start().wait_ready()
     yield a
