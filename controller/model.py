@@ -320,6 +320,7 @@ class MigrateOrder:
     bandwidth_limit_bps: float = 0.0
     slo_budget_seconds: float = 0.0
     target_node: str = ""
+    kv_int8: int = 0  # KvInt8Mode (0: the agent's --kv-int8)
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,7 @@ class ImportOrder:
     ignore_eos: bool = False
     kv_bytes: int = 0
     block_size: int = 0
+    kv_format: int = 0  # KvFormat of the payload (0: full width)
 
 
 @dataclass(frozen=True)
