@@ -10,7 +10,9 @@ ready → first token of a request. Medians of ``--repeats`` each. Also: sequent
 data path (MIGRATE_KV ‖ RELOAD_SHARDS) to measure what the overlap saves.
 
 The last line with --json is one JSON object (keys: switch_downtime_s, restart_downtime_s, ratio,
-token_exact, preempted, phases, peak_extra_mem_bytes, layer_kv_bytes, overlap_saving_s, …).
+token_exact, preempted, phases, peak_extra_mem_bytes, layer_kv_bytes, overlap_saving_s,
+weight_bytes_from_store, weight_bytes_peer, …). ``--weight-reshard p2p`` (default): the switching
+agent builds its new shards from the old ranks' (``store``: from the host store).
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ async def reference(agent):
         return [await stream_completion(c, agent.http, p, MAX_TOKENS) for p in PROMPTS]
 
 
-def measure_switches(model, logs, repeats):
+def measure_switches(model, logs, repeats, reshard="p2p"):
     # the fault-injection setting enables the test-only start gate that switch_under_load uses
     # to start each switch while the engine has every request mid-decode
     agent = AgentProcess(model, tp=SOURCE[0], pp=SOURCE[1], dtype="float32", log_dir=logs,
                          node="bench-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
-                         kv_cache_gib=1)
+                         kv_cache_gib=1, extra=["--weight-reshard", reshard])
     recs, seq_recs, exact, preempted = [], [], True, 0
     with agent:
         ref = asyncio.run(reference(agent))
@@ -119,12 +121,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, help="also write the JSON result here")
+    ap.add_argument("--weight-reshard", choices=["p2p", "store"], default="p2p",
+                    help="how the switching agent builds its new shards (default p2p: from the "
+                    "old ranks, nothing from the host store)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="remp-bench-") as tmp:
         model = make_model(Path(tmp) / "tiny-llama")
         logs = Path(tmp)
         ensure_credentials(logs)
-        recs, seq_recs, exact, preempted = measure_switches(model, logs, a.repeats)
+        recs, seq_recs, exact, preempted = measure_switches(model, logs, a.repeats,
+                                                            a.weight_reshard)
         restarts = measure_restarts(model, logs, a.repeats)
 
     med = statistics.median
@@ -158,6 +164,10 @@ def main() -> int:
         "peak_extra_mem_bytes": max(r.peak_extra_mem_bytes for r in recs),
         "layer_kv_bytes": recs[0].layer_kv_bytes,
         "kv_bytes_moved": med(r.kv_bytes_moved for r in recs),
+        "weight_reshard": a.weight_reshard,
+        "weight_bytes_loaded": med(r.weight_bytes_loaded for r in recs),
+        "weight_bytes_from_store": med(r.weight_bytes_from_store for r in recs),
+        "weight_bytes_peer": med(r.weight_bytes_peer for r in recs),
         "requests_in_flight": med(r.requests_in_flight for r in recs),
     }
     print(f"\nremp switch vs restart — {result['switch']}, {result['model']}, {result['device']}")
@@ -172,6 +182,9 @@ def main() -> int:
     print("phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     print(f"data path: overlapped {overlap_wall:.3f}s, sequential {seq_wall:.3f}s, "
           f"saving {result['overlap_saving_s']:.3f}s")
+    print(f"weights ({a.weight_reshard}): {result['weight_bytes_loaded']} B loaded, "
+          f"{result['weight_bytes_from_store']} B from the host store, "
+          f"{result['weight_bytes_peer']} B from other ranks")
     print(f"peak extra KV memory {result['peak_extra_mem_bytes']} B vs one layer's KV "
           f"{result['layer_kv_bytes']} B")
     line = json.dumps(result)

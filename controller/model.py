@@ -99,6 +99,9 @@ class SwitchRecord:
     preempted_request_ids: tuple[str, ...] = ()
     ranks_woken: tuple[int, ...] = ()
     ranks_parked: tuple[int, ...] = ()
+    weight_bytes_from_store: int = 0
+    weight_bytes_peer: int = 0
+    weight_bytes_verified: int = 0
 
 
 @dataclass(frozen=True)

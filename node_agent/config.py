@@ -78,6 +78,15 @@ class AgentSettings(BaseSettings):
         "off", description="INT8 KV for request migrations (per layer, block and KV head "
         "scales; dequantised on the target, not token-exact): off, on, or auto (the cost model "
         "picks it when the smaller payload is faster, codec time included)")
+    weight_reshard: Literal["auto", "p2p", "store"] = Field(
+        "auto", description="how a switch builds the new weight shards: p2p (each slice from "
+        "the old rank that holds it, over gloo / NCCL; the host store only for what no rank "
+        "holds), store (every rank reads its shard from the host store), auto (p2p where the "
+        "engine keeps its weights as plain tensors: GPU; store on CPU, where vLLM packs its "
+        "linear weights and drops the plain copy — p2p on CPU keeps it, ~2x weight memory)")
+    verify_weights: bool = Field(
+        False, description="after building the new shards, compare them bit for bit with the "
+        "host store before the switch commits (reads the store: for canaries and debugging)")
     import_receive_seconds: float = Field(
         30.0, gt=0, description="an ImportRequest's KV payload must arrive within this many "
         "seconds plus kv_bytes / import_min_receive_bps (a slow sender cannot hold an import "

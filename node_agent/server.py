@@ -51,6 +51,11 @@ def prepare_environment(cfg: ResolvedAgentConfig, state_dir: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_PREFIX", f"[node={cfg.settings.node}] ")
     if cfg.settings.worker_spin_seconds is not None:  # read by the plugin in every vLLM process
         os.environ[engine_plugin.WORKER_SPIN_ENV] = str(cfg.settings.worker_spin_seconds)
+    reshard = cfg.settings.weight_reshard
+    if reshard == "auto":
+        reshard = "store" if cfg.host.device_type == "cpu" else "p2p"
+    os.environ[engine_plugin.WEIGHT_RESHARD_ENV] = reshard  # read by the plugin in every process
+    os.environ[engine_plugin.VERIFY_WEIGHTS_ENV] = "1" if cfg.settings.verify_weights else "0"
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
     # ImportRequest payloads: a private directory, and a key only this agent and its engine
     # know (the import connector honours nothing else: kv_transfer_params also come from HTTP)

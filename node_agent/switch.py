@@ -37,6 +37,9 @@ class SwitchRecord:
     timings: list[tuple[Phase, float, float]] = field(default_factory=list)  # phase, wall start, s
     kv_bytes_moved: int = 0
     weight_bytes_loaded: int = 0
+    weight_bytes_from_store: int = 0
+    weight_bytes_peer: int = 0
+    weight_bytes_verified: int = 0
     peak_extra_mem_bytes: int = 0
     layer_kv_bytes: int = 0
     requests_held: int = 0
@@ -138,7 +141,8 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         record.workers = list(workers)
         log.info("switch.data_path", switch_id=record.switch_id, live_blocks=dp.live_blocks,
                  workers=[{k: w.get(k) for k in ("rank", "kv_seconds", "reload_seconds",
-                                                 "reload_breakdown")} for w in workers])
+                                                 "reload_breakdown", "weights")}
+                          for w in workers])
         kv_window = (min(w["kv_window"][0] for w in workers), max(w["kv_window"][1] for w in workers))
         rl_window = (min(w["reload_window"][0] for w in workers),
                      max(w["reload_window"][1] for w in workers))
@@ -149,6 +153,10 @@ async def run_switch(engine, record: SwitchRecord, *, overlap: bool, fault: str,
         record.data_path_s = max(w["seconds"] for w in workers)
         record.kv_bytes_moved = sum(w["kv"]["bytes_sent"] for w in workers)
         record.weight_bytes_loaded = sum(w.get("weight_bytes", 0) for w in workers)
+        weights = [w.get("weights") or {} for w in workers]
+        record.weight_bytes_from_store = sum(x.get("store_bytes", 0) for x in weights)
+        record.weight_bytes_peer = sum(x.get("peer_recv_bytes", 0) for x in weights)
+        record.weight_bytes_verified = sum(x.get("verified_bytes", 0) for x in weights)
         record.peak_extra_mem_bytes = max(w["kv"]["peak_extra_bytes"] for w in workers)
         record.layer_kv_bytes = layer_bytes(model_shape.num_kv_heads, dp.num_blocks,
                                             kv_block_bytes_per_head)

@@ -30,6 +30,10 @@ from remp.weightplan import Move, WeightPlan, WeightShape, shard
 StoreTensor = Callable[[str], torch.Tensor]  # checkpoint tensor name -> the whole tensor
 
 
+class ReshardError(RuntimeError):
+    """A move of this rank failed (raised after its peers were served)."""
+
+
 class WeightMismatch(RuntimeError):
     """A parameter differs from the host store's bytes for it (``verify``)."""
 
@@ -78,14 +82,20 @@ def check(plan: WeightPlan, rank: int, old: Mapping[str, torch.Tensor] | None,
             _need(old, m.src_param, m.dim, m.src_start + m.length, "the old")
 
 
+@torch.no_grad()
 def execute(plan: WeightPlan, rank: int, old: Mapping[str, torch.Tensor] | None,
             new: Mapping[str, torch.Tensor] | None, transport, *,
             store: StoreTensor | None = None) -> ReshardStats:
     """Run ``plan`` on ``rank``: fill ``new`` (name → tensor, this rank's new shard; None when the
     rank leaves the topology) from ``old`` (its old shard; None when it held none), the peers
-    (``transport``) and, for store moves, ``store``. Returns what it moved."""
+    (``transport``) and, for store moves, ``store``. Returns what it moved.
+
+    A move that fails on this rank (a missing parameter, a store read) does not leave its peers
+    waiting: its send or receive is still posted (zeros sent, bytes received into scratch) and
+    the remaining moves run; the first error is raised at the end."""
     st = ReshardStats()
     t0 = time.perf_counter()
+    errors: list[BaseException] = []
     indexed = list(enumerate(plan.moves))
     for _, layer_moves in itertools.groupby(indexed, key=lambda im: im[1].layer):
         handles: list = []
@@ -94,13 +104,33 @@ def execute(plan: WeightPlan, rank: int, old: Mapping[str, torch.Tensor] | None,
         for tag, m in layer_moves:
             if m.dst != rank and m.src != rank:
                 continue
-            _one(m, tag, rank, old, new, transport, store, st, handles, keep, land)
+            try:
+                _one(m, tag, rank, old, new, transport, store, st, handles, keep, land)
+            except Exception as exc:  # noqa: BLE001 - raised once the peers are served
+                err = ReshardError(f"rank {rank}, {m.kind} move of {m.param} "
+                                   f"(from {m.src_param or m.key}): {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                errors.append(err)
+                if m.kind == "peer":  # keep the pairing: the peer's op must still complete
+                    scratch = torch.zeros(m.nbytes, dtype=torch.uint8, device=_device(old, new))
+                    keep.append(scratch)
+                    post = transport.isend if m.src == rank else transport.irecv
+                    handles.append(post(scratch, m.dst if m.src == rank else m.src, tag))
         if handles:
             transport.wait(handles)
         for dst, tmp in land:
             dst.copy_(tmp)
     st.seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
     return st
+
+
+def _device(*shards) -> torch.device:
+    for s in shards:
+        for t in (s or {}).values():
+            return t.device
+    return torch.device("cpu")
 
 
 def _one(m: Move, tag: int, rank: int, old, new, transport, store, st: ReshardStats,
@@ -133,10 +163,11 @@ def _one(m: Move, tag: int, rank: int, old, new, transport, store, st: ReshardSt
         st.peer_recv_bytes += m.nbytes
 
 
+@torch.no_grad()
 def verify(shape: WeightShape, topo: Topology, rank: int, params: Mapping[str, torch.Tensor],
            store: StoreTensor) -> int:
     """Compare rank ``rank``'s parameters of ``topo`` with the host store's bytes for its shard
-    (padding: zeros); raise :class:`WeightMismatch` naming the first difference. Returns the
+    (padding: zeros; the store's tensors cast to the parameters' dtype); raise :class:`WeightMismatch` naming the first difference. Returns the
     bytes compared."""
     names, pieces = shard(shape, topo, rank)
     for name, dims in names.items():
@@ -150,9 +181,9 @@ def verify(shape: WeightShape, topo: Topology, rank: int, params: Mapping[str, t
         if p.key is None:
             ok = not bool(_bytes(got.contiguous()).any())
         else:
-            want = _cut(store(p.key), p.dim, p.key_start, p.length)
-            ok = want.dtype == got.dtype and torch.equal(_bytes(got.contiguous()),
-                                                         _bytes(want.contiguous()))
+            # the store's dtype cast to the engine's, as a loader casts it (no-op when equal)
+            want = _cut(store(p.key), p.dim, p.key_start, p.length).to(got.dtype)
+            ok = torch.equal(_bytes(got.contiguous()), _bytes(want.contiguous()))
         if not ok:
             what = "padding" if p.key is None else f"{p.key}[{p.key_start}:{p.end}]"
             raise WeightMismatch(f"rank {rank}: {p.param} [{p.param_start}:"

@@ -59,6 +59,11 @@ def _agent_parser(sub) -> None:
     p.add_argument("--kv-int8", dest="kv_int8", choices=["off", "on", "auto"],
                    help="INT8 KV for request migrations: off (default), on, or auto (the cost "
                    "model's choice; not token-exact)")
+    p.add_argument("--weight-reshard", dest="weight_reshard", choices=["auto", "p2p", "store"],
+                   help="build a switch's new weight shards peer to peer (p2p) or from the host "
+                   "store (store); auto (default): p2p on GPU, store on CPU")
+    p.add_argument("--verify-weights", dest="verify_weights", action="store_true", default=None,
+                   help="compare every switch's new shards with the host store before commit")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
     p.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate")

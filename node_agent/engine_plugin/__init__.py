@@ -41,6 +41,8 @@ from remp.transaction import Phase
 PINNED_VLLM_VERSION = "0.32.0"
 WORKER_EXTENSION = "node_agent.engine_plugin.worker_side.RempWorkerExtension"
 WORKER_SPIN_ENV = "REMP_WORKER_SPIN_SECONDS"  # --worker-spin-seconds, for every vLLM process
+WEIGHT_RESHARD_ENV = "REMP_WEIGHT_RESHARD"  # --weight-reshard resolved: p2p or store
+VERIFY_WEIGHTS_ENV = "REMP_VERIFY_WEIGHTS"  # --verify-weights: 1 or 0
 
 # (module, attribute path, what remp uses it for). check_internals() resolves each one.
 INTERNALS: list[tuple[str, str, str]] = [
@@ -82,6 +84,8 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.model_executor.models.utils", "extract_layer_index", "global layer of a KV tensor"),
     ("vllm.model_executor.model_loader", "register_model_loader", "shared-memory weight store"),
     ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader", "weight store loader"),
+    ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm",
+     "CPU weight packing: plain weights kept for --weight-reshard p2p"),
     ("vllm.v1.engine.async_llm", "AsyncLLM.pause_generation", "QUIESCING (mode=keep)"),
     ("vllm.v1.engine.async_llm", "AsyncLLM.resume_generation", "SERVING_NEW"),
     ("vllm.v1.engine.core", "EngineCore.step", "first token after a switch"),

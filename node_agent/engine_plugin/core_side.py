@@ -23,7 +23,11 @@ from node_agent.engine_plugin import Utility
 from node_agent.engine_plugin.steps import StepError, earliest, failure, success
 
 log = logging.getLogger("remp.node_agent.core_side")
-LOADER_STATS: dict[str, int] = {"calls": 0, "bytes": 0}
+LOADER_STATS: dict[str, int] = {"calls": 0, "bytes": 0, "store_bytes": 0}
+# set by a worker while it builds a switch's new model: called with the model whose parameters to
+# fill; True when it filled them (peer to peer), False to load from the host store
+RESHARD_HOOK = None
+LOADED_HOOK = None  # then called with the loaded model, before vLLM's post-load processing
 
 
 # --------------------------------------------------------------------------- engine-core utilities
@@ -426,18 +430,46 @@ def _register_loader() -> None:
             pass
 
         def load_weights(self, model, model_config) -> None:
-            store = self.load_config.model_loader_extra_config["path"]
-            files = sorted(f for f in os.listdir(store) if f.endswith(".safetensors"))
-
-            def weights():
-                for name in files:
-                    with safe_open(os.path.join(store, name), framework="pt") as f:
-                        for key in f.keys():
-                            yield key, f.get_tensor(key)
-
-            model.load_weights(weights())
             LOADER_STATS["calls"] += 1
+            hook = RESHARD_HOOK
+            if hook is None or not hook(model):
+                store = self.load_config.model_loader_extra_config["path"]
+                files = sorted(f for f in os.listdir(store) if f.endswith(".safetensors"))
+
+                def weights():
+                    for name in files:
+                        with safe_open(os.path.join(store, name), framework="pt") as f:
+                            for key in f.keys():
+                                t = f.get_tensor(key)
+                                LOADER_STATS["store_bytes"] += t.numel() * t.element_size()
+                                yield key, t
+
+                model.load_weights(weights())
+            if LOADED_HOOK is not None:
+                LOADED_HOOK(model)
             LOADER_STATS["bytes"] += sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _keep_plain_weights() -> None:
+    """``--weight-reshard p2p`` on CPU: vLLM packs each linear layer's weight for oneDNN after
+    loading and replaces the plain tensor with an empty one, so the old shard a peer-to-peer
+    reshard copies from would be gone. Keep it (the packed copy is what computes; the plain
+    one costs its size in memory again)."""
+    from node_agent.engine_plugin import WEIGHT_RESHARD_ENV
+
+    if os.environ.get(WEIGHT_RESHARD_ENV) != "p2p":
+        return
+    import vllm.model_executor.layers.utils as lu
+
+    packing = lu.dispatch_cpu_unquantized_gemm
+    if getattr(packing, "_remp_keeps_plain", False):
+        return
+
+    def keep_plain(layer, remove_weight: bool) -> None:
+        packing(layer, remove_weight=False)
+
+    keep_plain._remp_keeps_plain = True
+    lu.dispatch_cpu_unquantized_gemm = keep_plain
 
 
 def _request_amx() -> None:
@@ -497,3 +529,4 @@ def register() -> None:
     for name, fn in UTILITIES.items():
         setattr(EngineCore, str(name), fn)
     _register_loader()
+    _keep_plain_weights()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node_agent.engine_plugin import VERIFY_WEIGHTS_ENV, WEIGHT_RESHARD_ENV, reshard
 from node_agent.engine_plugin.steps import StepError, phase_name
 from node_agent.kv.codec import first_head, rank_part_key
 from node_agent.kv.common import InjectedFault
@@ -63,6 +64,11 @@ class _WorkerSwitchState:
     dst_block_ids: list[int] = field(default_factory=list)
     remap: dict[int, int] = field(default_factory=dict)  # old block id -> new (pool compaction)
     remapped: list = field(default_factory=list)  # (request state, old block ids) for rollback
+    weight_group: object = None  # peer-to-peer weight resharding traffic
+    reshard: str = "store"  # how a switch builds its new shards: p2p or store
+    reshard_why: str = ""  # why p2p was asked and cannot be used for this model
+    weight_shape: object = None  # remp.weightplan.WeightShape (p2p, verify)
+    verify_weights: bool = False
 
 
 def _layer_index(name: str) -> int:
@@ -300,7 +306,16 @@ class RempWorkerExtension:
         st.kv_group = torch.distributed.new_group(
             list(range(world)), backend=torch.distributed.get_backend(),
             timeout=datetime.timedelta(seconds=KV_GROUP_TIMEOUT_S))
+        st.weight_group = torch.distributed.new_group(
+            list(range(world)), backend=torch.distributed.get_backend(),
+            timeout=datetime.timedelta(seconds=KV_GROUP_TIMEOUT_S))
         hf = self.vllm_config.model_config.hf_text_config
+        st.weight_shape, st.reshard_why = reshard.weight_shape_of(
+            hf, self.vllm_config.model_config.dtype)
+        st.reshard = os.environ.get(WEIGHT_RESHARD_ENV, "store")
+        if st.weight_shape is None:
+            st.reshard = "store"  # the same decision on every rank (same config)
+        st.verify_weights = st.weight_shape is not None and reshard.env_flag(VERIFY_WEIGHTS_ENV)
         st.num_layers = hf.num_hidden_layers
         st.num_kv_heads = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
         st.world = world
@@ -328,7 +343,8 @@ class RempWorkerExtension:
         gc.collect()
         gc.freeze()
         return {"rank": self.rank, "topologies": sorted(st.groups), "world": world,
-                "seconds": time.perf_counter() - t0}
+                "weight_reshard": st.reshard, "weight_reshard_why": st.reshard_why,
+                "verify_weights": st.verify_weights, "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ the switch steps
 
@@ -406,10 +422,13 @@ class RempWorkerExtension:
             try:
                 if active_after:
                     st.new_runner, nbytes = self._remp_build_runner()
-                else:  # parks: no model, no weights
+                else:  # parks: no model, no weights (p2p: sends what the new ranks need)
                     st.new_runner, nbytes = StandbyRunner(), 0
                     self.vllm_config.compilation_config.static_forward_context.clear()
+                    if st.reshard == "p2p":
+                        st.stats["reshard"] = self._remp_reshard(None)
                 result["weight_bytes"] = nbytes
+                result["weights"] = st.stats.get("weights", {})
                 _maybe_fault(fault, "RELOAD_SHARDS")
             except BaseException as exc:  # noqa: BLE001
                 errors.append(StepError(Phase.RELOAD_SHARDS, f"{type(exc).__name__}: {exc}"))
@@ -585,12 +604,44 @@ class RempWorkerExtension:
 
         ctx = self.vllm_config.compilation_config.static_forward_context
         ctx.clear()  # the new model registers its attention layers here
-        before = core_side.LOADER_STATS.get("bytes", 0)
+        st = self._remp
+        before = dict(core_side.LOADER_STATS)
+        weights: dict = {"p2p": False}
+        st.stats["weights"] = weights
+
+        def fill(model) -> bool:  # the remp_shm loader asks first: p2p, else the store
+            if st.reshard != "p2p":
+                return False
+            res = self._remp_reshard(dict(model.named_parameters()))
+            if res is None:
+                return False
+            weights.update(p2p=True, **res)
+            return True
+
+        def loaded(model) -> None:  # before vLLM packs the weights: --verify-weights
+            if st.verify_weights:
+                weights["verified_bytes"] = reshard.verify_params(
+                    self.rank, st.weight_shape, st.new_topo, dict(model.named_parameters()),
+                    st.store_path)
+
         with set_current_vllm_config(self.vllm_config):
             t0 = time.perf_counter()
             runner = CPUModelRunner(self.vllm_config, torch.device("cpu"))
             t1 = time.perf_counter()
-            runner.load_model()
+            core_side.RESHARD_HOOK, core_side.LOADED_HOOK = fill, loaded
+            try:
+                runner.load_model()
+            finally:
+                core_side.RESHARD_HOOK = core_side.LOADED_HOOK = None
             t2 = time.perf_counter()
-        self._remp.stats["reload_breakdown"] = {"runner_init": t1 - t0, "load_model": t2 - t1}
-        return runner, core_side.LOADER_STATS.get("bytes", 0) - before
+        weights["store_bytes"] = weights.get("store_bytes", 0) + (
+            core_side.LOADER_STATS["store_bytes"] - before["store_bytes"])
+        st.stats["reload_breakdown"] = {"runner_init": t1 - t0, "load_model": t2 - t1}
+        return runner, core_side.LOADER_STATS.get("bytes", 0) - before["bytes"]
+
+    def _remp_reshard(self, new_params: dict | None) -> dict | None:
+        """This rank's part of a peer-to-peer reshard (collective: every rank of the world)."""
+        st = self._remp
+        return reshard.reshard(self.rank, st.weight_shape, st.old_topo, st.new_topo,
+                               reshard.plain_params(st.old_runner), new_params, st.weight_group,
+                               st.store_path)

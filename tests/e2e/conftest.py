@@ -74,7 +74,10 @@ def tp2_started(tiny_model, artifacts_dir):
     yield from _started(AgentProcess(tiny_model, tp=2, pp=1, dtype="float32",
                                      log_dir=artifacts_dir, node="e2e-tp2",
                                      env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
-                                     extra=["--max-model-len", str(LONG_CONTEXT)],
+                                     # switches reshard weights peer to peer and check
+                                     # every new shard against the store before commit
+                                     extra=["--max-model-len", str(LONG_CONTEXT),
+                                            "--weight-reshard", "p2p", "--verify-weights"],
                                      # test_switch_e2e holds the peak extra KV memory of a
                                      # switch to one layer + 10 %: the executor's fixed
                                      # staging (~7 MB) needs layers of ≥ 70 MB for that

@@ -163,6 +163,8 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
     assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED, rec.error.message
     assert rec.requests_in_flight == len(PROMPTS) and rec.requests_preempted == 0
     assert outs == ref, "the switch changed the tokens"
+    # --weight-reshard auto is the host store on CPU: each rank reads the checkpoint it needs
+    assert rec.weight_bytes_from_store > 0 and rec.weight_bytes_peer == 0
     mine = [e for e in events if e.switch_id == sid]
     phases = [types_pb2.Phase.Name(e.phase) for e in mine
               if e.type == controller_pb2.EVENT_TYPE_SWITCH_PHASE]

@@ -72,6 +72,10 @@ def test_switch_tp_to_pp_and_back_is_token_exact(agent, reference):
         assert rec.requests_preempted == 0
         assert rec.requests_held <= len(LATE)  # held by the engine (the rest arrived after)
         assert rec.kv_bytes_moved > 0 and rec.weight_bytes_loaded > 0
+        # --weight-reshard p2p: the shards came from the ranks, none from the host store, and
+        # --verify-weights found every byte equal to the store's
+        assert rec.weight_bytes_from_store == 0 and rec.weight_bytes_peer > 0
+        assert rec.weight_bytes_verified == rec.weight_bytes_loaded
         assert 0 < rec.downtime_seconds < rec.total_seconds + 5
         assert rec.peak_extra_mem_bytes <= rec.layer_kv_bytes * 1.1
         d = agent.describe()

@@ -174,3 +174,39 @@ def test_kv_cache_size_is_an_engine_argument_in_bytes(model, tmp_path):
     for bad in (0, -1):
         with pytest.raises(ValueError):
             settings(model, kv_cache_gib=bad)
+
+
+def test_weight_reshard_reaches_every_engine_process(model, tmp_path, monkeypatch):
+    """--weight-reshard auto is the host store on CPU (vLLM drops its plain linear weights
+    there), p2p when asked; --verify-weights on or off; both as environment for the engine."""
+    import os
+
+    from node_agent import engine_plugin
+    from node_agent.engine_plugin.reshard import weight_shape_of
+    from node_agent.server import prepare_environment
+
+    # prepare_environment writes the process environment: give it a copy of this one
+    monkeypatch.setattr(os, "environ", dict(os.environ, VLLM_RPC_BASE_PATH=str(tmp_path / "rpc")))
+    for given, verify, want in (("auto", False, "store"), ("p2p", True, "p2p"),
+                                ("store", False, "store")):
+        cfg = resolve(settings(model, tp=2, weight_reshard=given, verify_weights=verify))
+        prepare_environment(cfg, str(tmp_path))
+        assert os.environ[engine_plugin.WEIGHT_RESHARD_ENV] == want
+        assert os.environ[engine_plugin.VERIFY_WEIGHTS_ENV] == ("1" if verify else "0")
+    with pytest.raises(ValueError):
+        settings(model, weight_reshard="nccl")
+
+    class Cfg:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def to_dict(self):
+            return dict(json.loads((model / "config.json").read_text()), **self.kw)
+
+    import torch
+
+    shape, why = weight_shape_of(Cfg(), torch.float32)
+    assert shape is not None and shape.dtype == "float32" and why == ""
+    assert weight_shape_of(Cfg(tie_word_embeddings=True), torch.float32)[1] == "tied embeddings"
+    assert "architecture" in weight_shape_of(Cfg(architectures=["MixtralForCausalLM"]),
+                                             torch.float32)[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from node_agent.kv.transport import LocalTransport
-from node_agent.weight_reshard import WeightMismatch, check, execute, verify
+from node_agent.weight_reshard import ReshardError, WeightMismatch, check, execute, verify
 from remp.topology import Topology
 from remp.weightplan import WeightShape, plan_weights, same_host
 from tests.reshard_cases import PADDED, checkpoint, cut, empty_shard, topologies
@@ -97,3 +97,45 @@ def test_check_refuses_a_shard_that_lost_its_weights():
         check(plan, 1, old, None)
     with pytest.raises(ValueError, match="new shard has no parameter"):
         check(plan, 0, cut(PADDED, full, Topology(2, 1), 0), {})
+
+
+def test_a_rank_that_fails_a_move_still_serves_its_peers_then_raises():
+    # rank 1 lost a parameter it must send: rank 0 still completes (zeros where it was) and
+    # rank 1 raises after the exchange, instead of leaving rank 0 waiting for a send
+    full = checkpoint(PADDED)
+    old_t, new_t = Topology(2, 1), Topology(1, 2)
+    plan = plan_weights(PADDED, old_t, new_t)
+    olds = [cut(PADDED, full, old_t, r) for r in range(2)]
+    gone = "model.layers.0.mlp.down_proj.weight"
+    olds[1][gone] = torch.empty(0)
+    news = [empty_shard(PADDED, new_t, r) for r in range(2)]
+    hub = LocalTransport(timeout_s=20)
+    out: dict = {}
+
+    def rank(r):
+        try:
+            out[r] = execute(plan, r, olds[r], news[r], hub.endpoint(r), store=full.__getitem__)
+        except Exception as exc:  # noqa: BLE001
+            out[r] = exc
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts)
+    assert isinstance(out[1], ReshardError) and "down_proj" in str(out[1])
+    assert not isinstance(out[0], Exception)
+    with pytest.raises(WeightMismatch, match="down_proj"):
+        verify(PADDED, new_t, 0, news[0], full.__getitem__)
+
+
+def test_parameters_that_require_grad_are_filled():
+    # nn.Parameter defaults to requires_grad=True (vLLM's norms): in-place copies need no_grad
+    full = checkpoint(PADDED)
+    topo = Topology(1, 1)
+    plan = plan_weights(PADDED, topo, topo)
+    new = {n: torch.nn.Parameter(t) for n, t in empty_shard(PADDED, topo, 0).items()}
+    execute(plan, 0, cut(PADDED, full, topo, 0), new, LocalTransport().endpoint(0),
+            store=full.__getitem__)
+    assert verify(PADDED, topo, 0, new, full.__getitem__) == plan.shard_bytes(0)

@@ -124,7 +124,7 @@ class PhaseTiming(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., seconds: _Optional[float] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class SwitchRecord(_message.Message):
-    __slots__ = ("switch_id", "node", "from_topology", "to_topology", "outcome", "phase", "phase_timings", "kv_bytes_moved", "weight_bytes_loaded", "peak_extra_mem_bytes", "layer_kv_bytes", "requests_held", "requests_preempted", "requests_in_flight", "downtime_seconds", "total_seconds", "error", "started_at", "finished_at", "request_id", "reason", "epoch", "overlapped", "pool_blocks_before", "pool_blocks_after", "preempted_request_ids", "ranks_woken", "ranks_parked")
+    __slots__ = ("switch_id", "node", "from_topology", "to_topology", "outcome", "phase", "phase_timings", "kv_bytes_moved", "weight_bytes_loaded", "peak_extra_mem_bytes", "layer_kv_bytes", "requests_held", "requests_preempted", "requests_in_flight", "downtime_seconds", "total_seconds", "error", "started_at", "finished_at", "request_id", "reason", "epoch", "overlapped", "pool_blocks_before", "pool_blocks_after", "preempted_request_ids", "ranks_woken", "ranks_parked", "weight_bytes_from_store", "weight_bytes_peer", "weight_bytes_verified")
     SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class SwitchRecord(_message.Message):
     PREEMPTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     RANKS_WOKEN_FIELD_NUMBER: _ClassVar[int]
     RANKS_PARKED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_PEER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     switch_id: str
     node: str
     from_topology: Topology
@@ -181,7 +184,10 @@ class SwitchRecord(_message.Message):
     preempted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     ranks_woken: _containers.RepeatedScalarFieldContainer[int]
     ranks_parked: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, switch_id: _Optional[str] = ..., node: _Optional[str] = ..., from_topology: _Optional[_Union[Topology, _Mapping]] = ..., to_topology: _Optional[_Union[Topology, _Mapping]] = ..., outcome: _Optional[_Union[SwitchOutcome, str]] = ..., phase: _Optional[_Union[Phase, str]] = ..., phase_timings: _Optional[_Iterable[_Union[PhaseTiming, _Mapping]]] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., peak_extra_mem_bytes: _Optional[int] = ..., layer_kv_bytes: _Optional[int] = ..., requests_held: _Optional[int] = ..., requests_preempted: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., downtime_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., overlapped: _Optional[bool] = ..., pool_blocks_before: _Optional[int] = ..., pool_blocks_after: _Optional[int] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., ranks_woken: _Optional[_Iterable[int]] = ..., ranks_parked: _Optional[_Iterable[int]] = ...) -> None: ...
+    weight_bytes_from_store: int
+    weight_bytes_peer: int
+    weight_bytes_verified: int
+    def __init__(self, switch_id: _Optional[str] = ..., node: _Optional[str] = ..., from_topology: _Optional[_Union[Topology, _Mapping]] = ..., to_topology: _Optional[_Union[Topology, _Mapping]] = ..., outcome: _Optional[_Union[SwitchOutcome, str]] = ..., phase: _Optional[_Union[Phase, str]] = ..., phase_timings: _Optional[_Iterable[_Union[PhaseTiming, _Mapping]]] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., peak_extra_mem_bytes: _Optional[int] = ..., layer_kv_bytes: _Optional[int] = ..., requests_held: _Optional[int] = ..., requests_preempted: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., downtime_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., overlapped: _Optional[bool] = ..., pool_blocks_before: _Optional[int] = ..., pool_blocks_after: _Optional[int] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., ranks_woken: _Optional[_Iterable[int]] = ..., ranks_parked: _Optional[_Iterable[int]] = ..., weight_bytes_from_store: _Optional[int] = ..., weight_bytes_peer: _Optional[int] = ..., weight_bytes_verified: _Optional[int] = ...) -> None: ...
 
 class HostFacts(_message.Message):
     __slots__ = ("hostname", "device_type", "device_count", "device_names", "cpu_cores", "memory_bytes", "device_memory_bytes")
