@@ -71,7 +71,7 @@ def measure_switches(model, logs, repeats, reshard="p2p"):
         for i in range(repeats):
             for tgt, bucket in ((TARGET, recs), (SOURCE, None)):
                 outs, _, _, rec = asyncio.run(switch_under_load(
-                    agent, *tgt, PROMPTS, MAX_TOKENS, switch_id=f"b{i}-{tgt}"))
+                    agent, *tgt, PROMPTS, MAX_TOKENS, switch_id=f"b{i}-TP{tgt[0]}PP{tgt[1]}"))
                 if rec.outcome != types_pb2.SWITCH_OUTCOME_SUCCEEDED:
                     raise RuntimeError(f"switch failed: {rec.error.message}")
                 exact &= outs == ref
@@ -81,7 +81,7 @@ def measure_switches(model, logs, repeats, reshard="p2p"):
         for i in range(max(3, repeats // 2)):
             for tgt, bucket in ((TARGET, seq_recs), (SOURCE, None)):
                 outs, _, _, rec = asyncio.run(switch_under_load(
-                    agent, *tgt, PROMPTS, MAX_TOKENS, switch_id=f"s{i}-{tgt}",
+                    agent, *tgt, PROMPTS, MAX_TOKENS, switch_id=f"s{i}-TP{tgt[0]}PP{tgt[1]}",
                     sequential_data_path=True))
                 exact &= outs == ref
                 if bucket is not None:
