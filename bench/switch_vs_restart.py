@@ -11,8 +11,10 @@ data path (MIGRATE_KV ‖ RELOAD_SHARDS) to measure what the overlap saves.
 
 The last line with --json is one JSON object (keys: switch_downtime_s, restart_downtime_s, ratio,
 token_exact, preempted, phases, peak_extra_mem_bytes, layer_kv_bytes, overlap_saving_s,
-weight_bytes_from_store, weight_bytes_peer, …). ``--weight-reshard p2p`` (default): the switching
-agent builds its new shards from the old ranks' (``store``: from the host store).
+weight_bytes_from_store, weight_bytes_peer, cached_runners{…}, …). ``--weight-reshard p2p``
+(default): the switching agent builds its new shards from the old ranks' (``store``: from the
+host store). The same switches are also measured, side by side in the same run, on a second agent
+with ``--cache-runners`` (``cached_runners``: each switch reuses the target topology's runner).
 """
 
 from __future__ import annotations
@@ -59,12 +61,14 @@ async def reference(agent):
         return [await stream_completion(c, agent.http, p, MAX_TOKENS) for p in PROMPTS]
 
 
-def measure_switches(model, logs, repeats, reshard="p2p"):
+def measure_switches(model, logs, repeats, reshard="p2p", cache_runners=False):
     # the fault-injection setting enables the test-only start gate that switch_under_load uses
     # to start each switch while the engine has every request mid-decode
     agent = AgentProcess(model, tp=SOURCE[0], pp=SOURCE[1], dtype="float32", log_dir=logs,
-                         node="bench-switch", env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"},
-                         kv_cache_gib=1, extra=["--weight-reshard", reshard])
+                         node="bench-switch" + ("-cached" if cache_runners else ""),
+                         env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}, kv_cache_gib=1,
+                         extra=["--weight-reshard", reshard]
+                         + (["--cache-runners"] if cache_runners else []))
     recs, seq_recs, exact, preempted = [], [], True, 0
     with agent:
         ref = asyncio.run(reference(agent))
@@ -130,7 +134,9 @@ def main() -> int:
         logs = Path(tmp)
         ensure_credentials(logs)
         recs, seq_recs, exact, preempted = measure_switches(model, logs, a.repeats,
-                                                            a.weight_reshard)
+                                                            a.weight_reshard, cache_runners=False)
+        c_recs, _, c_exact, c_preempted = measure_switches(model, logs, a.repeats,
+                                                           a.weight_reshard, cache_runners=True)
         restarts = measure_restarts(model, logs, a.repeats)
 
     med = statistics.median
@@ -169,6 +175,17 @@ def main() -> int:
         "weight_bytes_from_store": med(r.weight_bytes_from_store for r in recs),
         "weight_bytes_peer": med(r.weight_bytes_peer for r in recs),
         "requests_in_flight": med(r.requests_in_flight for r in recs),
+        # the same switches on an agent with --cache-runners (the warm-up visited every
+        # candidate, so every switch reuses the target's runner: no model built, no weights)
+        "cached_runners": {
+            "switch_downtime_s": med(r.downtime_seconds for r in c_recs),
+            "switch_downtimes_s": [r.downtime_seconds for r in c_recs],
+            "ratio": restart_dt / med(r.downtime_seconds for r in c_recs),
+            "token_exact": bool(c_exact), "preempted": int(c_preempted),
+            "phases": {n: med(phase_seconds(r).get(n, 0.0) for r in c_recs) for n in phase_names},
+            "weight_bytes_loaded": med(r.weight_bytes_loaded for r in c_recs),
+            "weight_bytes_from_store": med(r.weight_bytes_from_store for r in c_recs),
+        },
     }
     print(f"\nremp switch vs restart — {result['switch']}, {result['model']}, {result['device']}")
     print(f"{'':28}{'median':>10}   all")
@@ -185,6 +202,11 @@ def main() -> int:
     print(f"weights ({a.weight_reshard}): {result['weight_bytes_loaded']} B loaded, "
           f"{result['weight_bytes_from_store']} B from the host store, "
           f"{result['weight_bytes_peer']} B from other ranks")
+    cr = result["cached_runners"]
+    print(f"{'switch, --cache-runners':28}{cr['switch_downtime_s']:10.3f}s  "
+          + " ".join(f"{x:.3f}" for x in cr["switch_downtimes_s"])
+          + f"  ({cr['ratio']:.0f}x; token-exact {cr['token_exact']}, preempted {cr['preempted']})")
+    print("  phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in cr["phases"].items()))
     print(f"peak extra KV memory {result['peak_extra_mem_bytes']} B vs one layer's KV "
           f"{result['layer_kv_bytes']} B")
     line = json.dumps(result)

@@ -87,6 +87,11 @@ class AgentSettings(BaseSettings):
     verify_weights: bool = Field(
         False, description="after building the new shards, compare them bit for bit with the "
         "host store before the switch commits (reads the store: for canaries and debugging)")
+    cache_runners: bool = Field(
+        False, description="keep the model runner (its weight shard, no KV) of every topology "
+        "the engine leaves, and reuse it when a switch comes back: no shard to build, no model "
+        "to construct (the switch's RELOAD_SHARDS); costs each visited topology's weights in "
+        "memory")
     import_receive_seconds: float = Field(
         30.0, gt=0, description="an ImportRequest's KV payload must arrive within this many "
         "seconds plus kv_bytes / import_min_receive_bps (a slow sender cannot hold an import "

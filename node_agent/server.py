@@ -56,6 +56,7 @@ def prepare_environment(cfg: ResolvedAgentConfig, state_dir: str) -> None:
         reshard = "store" if cfg.host.device_type == "cpu" else "p2p"
     os.environ[engine_plugin.WEIGHT_RESHARD_ENV] = reshard  # read by the plugin in every process
     os.environ[engine_plugin.VERIFY_WEIGHTS_ENV] = "1" if cfg.settings.verify_weights else "0"
+    os.environ[engine_plugin.CACHE_RUNNERS_ENV] = "1" if cfg.settings.cache_runners else "0"
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
     # ImportRequest payloads: a private directory, and a key only this agent and its engine
     # know (the import connector honours nothing else: kv_transfer_params also come from HTTP)

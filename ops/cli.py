@@ -64,6 +64,9 @@ def _agent_parser(sub) -> None:
                    "store (store); auto (default): p2p on GPU, store on CPU")
     p.add_argument("--verify-weights", dest="verify_weights", action="store_true", default=None,
                    help="compare every switch's new shards with the host store before commit")
+    p.add_argument("--cache-runners", dest="cache_runners", action="store_true", default=None,
+                   help="keep each left topology's model runner (weights, no KV) and reuse it "
+                   "when switching back (memory: the weights of every visited topology)")
     p.add_argument("--no-switching", dest="switching", action="store_false", default=None,
                    help="plain vLLM: no switch set-up (no weight store, no prebuilt groups)")
     p.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate")

@@ -43,6 +43,7 @@ WORKER_EXTENSION = "node_agent.engine_plugin.worker_side.RempWorkerExtension"
 WORKER_SPIN_ENV = "REMP_WORKER_SPIN_SECONDS"  # --worker-spin-seconds, for every vLLM process
 WEIGHT_RESHARD_ENV = "REMP_WEIGHT_RESHARD"  # --weight-reshard resolved: p2p or store
 VERIFY_WEIGHTS_ENV = "REMP_VERIFY_WEIGHTS"  # --verify-weights: 1 or 0
+CACHE_RUNNERS_ENV = "REMP_CACHE_RUNNERS"  # --cache-runners: 1 or 0
 
 # (module, attribute path, what remp uses it for). check_internals() resolves each one.
 INTERNALS: list[tuple[str, str, str]] = [
@@ -159,7 +160,8 @@ BLOCK_POOL_ATTRS = ("blocks", "free_block_queue", "num_gpu_blocks")
 EXECUTOR_ATTRS = ("world_size", "output_rank")
 WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config")
 MODEL_RUNNER_ATTRS = ("model", "kv_caches", "intermediate_tensors", "max_num_tokens", "device",
-                      "requests", "attn_groups", "kv_cache_config", "num_prompt_logprobs")
+                      "requests", "attn_groups", "kv_cache_config", "num_prompt_logprobs",
+                      "_init_block_sizes")  # --cache-runners: a reused runner's InputBatch
 
 
 class VllmInternalsMoved(RuntimeError):

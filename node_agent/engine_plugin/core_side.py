@@ -202,7 +202,8 @@ def _remp_sw_data_path(self, overlap: bool, fault: str) -> dict:
                   for b in g}
         keep = [i for i, b in enumerate(ids) if b not in theirs]
         ids, dst_ids, fault = [ids[i] for i in keep], [dst_ids[i] for i in keep], ""
-    res = _rpc(self, "remp_sw_data_path", ids, overlap, fault, dst_ids, pp_["num_blocks"])
+    res = _rpc(self, "remp_sw_data_path", ids, overlap, fault, dst_ids, pp_["num_blocks"],
+               pool.num_gpu_blocks)
     return {"live_blocks": len(ids), "num_blocks": pool.num_gpu_blocks,
             "new_num_blocks": pp_["num_blocks"], "displaced": len(pp_["displaced"]),
             "workers": res}

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node_agent.engine_plugin import VERIFY_WEIGHTS_ENV, WEIGHT_RESHARD_ENV, reshard
+from node_agent.engine_plugin import (CACHE_RUNNERS_ENV, VERIFY_WEIGHTS_ENV, WEIGHT_RESHARD_ENV,
+                                     reshard)
 from node_agent.engine_plugin.steps import StepError, phase_name
 from node_agent.kv.codec import first_head, rank_part_key
 from node_agent.kv.common import InjectedFault
@@ -69,6 +70,13 @@ class _WorkerSwitchState:
     reshard_why: str = ""  # why p2p was asked and cannot be used for this model
     weight_shape: object = None  # remp.weightplan.WeightShape (p2p, verify)
     verify_weights: bool = False
+    # --cache-runners: the model runner (weights loaded, no KV) of every topology this engine
+    # left, per active rank, and the attention layers it registered; a switch back reuses it
+    cache_runners: bool = False
+    runner_cache: dict = field(default_factory=dict)  # (tp, pp) -> (runner, forward-context)
+    cached_topos: set = field(default_factory=set)  # the same on every rank
+    reused: tuple | None = None  # this switch's new runner came from the cache: (key, ctx)
+    pool_blocks: tuple = (0, 0)  # the engine's block pool before / after this switch
 
 
 def _layer_index(name: str) -> int:
@@ -316,6 +324,7 @@ class RempWorkerExtension:
         if st.weight_shape is None:
             st.reshard = "store"  # the same decision on every rank (same config)
         st.verify_weights = st.weight_shape is not None and reshard.env_flag(VERIFY_WEIGHTS_ENV)
+        st.cache_runners = reshard.env_flag(CACHE_RUNNERS_ENV)
         st.num_layers = hf.num_hidden_layers
         st.num_kv_heads = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
         st.world = world
@@ -344,7 +353,8 @@ class RempWorkerExtension:
         gc.freeze()
         return {"rank": self.rank, "topologies": sorted(st.groups), "world": world,
                 "weight_reshard": st.reshard, "weight_reshard_why": st.reshard_why,
-                "verify_weights": st.verify_weights, "seconds": time.perf_counter() - t0}
+                "verify_weights": st.verify_weights, "cache_runners": st.cache_runners,
+                "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ the switch steps
 
@@ -364,7 +374,7 @@ class RempWorkerExtension:
         st.old_layers, st.names_old = _kv_by_global_layer(st.old_runner, ctx)
         st.old_num_blocks = next(iter(st.old_layers.values())).shape[0] if st.old_layers else 0
         st.new_layers, st.moved, st.new_runner, st.rebound, st.stats = {}, [], None, False, {}
-        st.remap, st.remapped = {}, []
+        st.remap, st.remapped, st.reused = {}, [], None
         _unbind(st.old_runner, ctx)
         _maybe_fault(fault, "PREPARING_WORKERS")
         return {"rank": self.rank, "old_layers": sorted(st.old_layers)}
@@ -380,7 +390,8 @@ class RempWorkerExtension:
     @_reported(Phase.RELOAD_SHARDS)  # the KV migration's failures say MIGRATE_KV
     def remp_sw_data_path(self, block_ids: list[int], overlap: bool, fault: str,
                           dst_block_ids: list[int] | None = None,
-                          new_num_blocks: int | None = None) -> dict:
+                          new_num_blocks: int | None = None,
+                          old_num_blocks: int | None = None) -> dict:
         """MIGRATE_KV ‖ RELOAD_SHARDS: move this rank's KV slices worker-to-worker, layer by layer,
         while the new weight shard loads from the shared-memory store (threads; sequential when
         ``overlap`` is False). When the block pool is resized (the per-rank bytes per block
@@ -397,6 +408,10 @@ class RempWorkerExtension:
         st.block_ids = list(block_ids)
         st.dst_block_ids = list(block_ids if dst_block_ids is None else dst_block_ids)
         st.new_num_blocks = new_num_blocks or st.old_num_blocks
+        # the engine's pool sizes, the same on every rank: the staged executor splits its rounds
+        # by them (a waking rank holds no old layer to read the old pool's size from; sized from
+        # its own tensors, rank 0 and a woken rank split TP1PP1 → TP1PP2 differently and hung)
+        st.pool_blocks = (old_num_blocks or st.old_num_blocks, st.new_num_blocks)
         alloc = _layer_allocator(st.new_num_blocks, b.heads_per_rank, st.kv_rest, st.kv_dtype)
         active_after = self.rank < st.new_topo.world_size
 
@@ -409,7 +424,8 @@ class RempWorkerExtension:
                 fail_after = st.num_layers // 2 if fault == "MIGRATE_KV" else None
                 _, stats = migrate_kv(self.rank, st.old_layers, a, b, plan, ids, alloc,
                                       TorchDistTransport(st.kv_group), fail_after_layers=fail_after,
-                                      new_layers=st.new_layers, done=st.moved, **dst_kw)
+                                      new_layers=st.new_layers, done=st.moved,
+                                      pool_blocks=st.pool_blocks, **dst_kw)
                 result["kv"] = stats.as_dict()
             except BaseException as exc:  # noqa: BLE001 - reported to the engine core
                 errors.append(StepError(Phase.MIGRATE_KV, f"{type(exc).__name__}: {exc}"))
@@ -420,13 +436,22 @@ class RempWorkerExtension:
         def reload():
             t = time.perf_counter()
             try:
-                if active_after:
+                key = (st.new_topo.tp, st.new_topo.pp)
+                cached = st.cache_runners and key in st.cached_topos
+                if active_after and cached:  # this topology's runner, kept when it was left
+                    st.new_runner, entries = st.runner_cache.pop(key)
+                    st.reused, nbytes = (key, entries), 0
+                    ctx = self.vllm_config.compilation_config.static_forward_context
+                    ctx.clear()
+                    ctx.update(entries)
+                    st.stats["weights"] = {"reused_runner": True}
+                elif active_after:
                     st.new_runner, nbytes = self._remp_build_runner()
                 else:  # parks: no model, no weights (p2p: sends what the new ranks need)
                     st.new_runner, nbytes = StandbyRunner(), 0
                     self.vllm_config.compilation_config.static_forward_context.clear()
-                    if st.reshard == "p2p":
-                        st.stats["reshard"] = self._remp_reshard(None)
+                    if st.reshard == "p2p" and not cached:
+                        st.stats["weights"] = self._remp_reshard(None) or {}
                 result["weight_bytes"] = nbytes
                 result["weights"] = st.stats.get("weights", {})
                 _maybe_fault(fault, "RELOAD_SHARDS")
@@ -474,6 +499,9 @@ class RempWorkerExtension:
             new.requests = {}
             self.execute_model = self.sample_tokens = _standby_step
         else:
+            if st.reused is not None:  # a used runner: let initialize_kv_cache start over
+                new.attn_groups.clear()  # (as vLLM's own _cleanup_profiling_kv_cache does)
+                new._init_block_sizes = []  # a fresh InputBatch: no rows of earlier requests
             with set_current_vllm_config(self.vllm_config):
                 specs = new.get_kv_cache_spec()
                 names = list(specs)
@@ -509,8 +537,14 @@ class RempWorkerExtension:
     def remp_sw_commit(self) -> dict:
         """SERVING_NEW: drop what only rollback needed (old runner, old model)."""
         st = self._remp
+        if st.cache_runners:
+            old_key = (st.old_topo.tp, st.old_topo.pp)
+            if not _is_standby(st.old_runner):
+                st.runner_cache[old_key] = (st.old_runner, st.old_ctx)
+            st.cached_topos.add(old_key)
+            st.cached_topos.discard((st.new_topo.tp, st.new_topo.pp))
         st.old_runner, st.old_ctx, st.old_layers, st.new_runner = None, {}, {}, None
-        st.new_layers, st.moved = {}, []
+        st.new_layers, st.moved, st.reused = {}, [], None
         _release_memory()
         return {"rank": self.rank}
 
@@ -562,9 +596,13 @@ class RempWorkerExtension:
             moving = {ly: t for ly, t in st.new_layers.items() if ly in moved_everywhere}
             restored, _ = migrate_kv(self.rank, moving, a, b, back, ids, alloc,
                                      TorchDistTransport(st.kv_group), layers=moved_everywhere,
-                                     **back_kw)
+                                     pool_blocks=st.pool_blocks[::-1], **back_kw)
             st.old_layers.update(restored)
             st.new_layers = {}
+        if st.reused is not None:  # back into the cache, its KV (the new layers) let go
+            _unbind(st.new_runner, st.reused[1])
+            st.runner_cache[st.reused[0]] = (st.new_runner, st.reused[1])
+            st.reused = None
         st.new_runner, st.rebound = None, False
         ctx.clear()
         ctx.update(st.old_ctx)
