@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from remp.topology import ModelShape, Topology, candidate_topologies
@@ -44,3 +46,22 @@ def empty_shard(shape: WeightShape, topo: Topology, rank: int) -> dict[str, torc
     params, _ = shard(shape, topo, rank)
     return {n: torch.full(s, float("nan"), dtype=TORCH_DTYPE[shape.dtype])
             for n, s in params.items()}
+
+
+def on_threads(world: int, fn, timeout: float = 60) -> dict:
+    """Run ``fn(rank)`` for every rank on its own thread; rank → its result or its exception."""
+    out: dict = {}
+
+    def one(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
+            out[r] = exc
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ts), "a rank is still running"
+    return out

@@ -1,5 +1,5 @@
 """Peer-to-peer weight resharding across real processes over gloo (the CPU transport remp uses):
-every ordered pair of candidate topologies at worlds 2 and 4, each new shard bit-exact against
+every ordered pair of the candidate topologies of worlds 1, 2 and 4, each new shard bit-exact against
 the host store's bytes, none of them read from the store."""
 
 from __future__ import annotations
@@ -72,12 +72,10 @@ def _check(world, pairs):
     return rows
 
 
-def test_world_2_every_ordered_pair():
-    _check(2, 9)  # TP1PP1, TP2PP1, TP1PP2
-
-
 def test_world_4_every_ordered_pair():
-    rows = _check(4, 36)  # + TP4PP1, TP2PP2, TP1PP4
+    # the 6 candidates of worlds 1, 2 and 4: the world-2 pairs run with ranks 2 and 3 idle (a
+    # real world-2 engine reshards in tests/e2e/test_switch_e2e.py and test_world_change_e2e.py)
+    rows = _check(4, 36)
     moved = {(r[0][1], r[0][2]): sum(x[4]["peer_recv_bytes"] for x in r) for r in rows
              if r[0][0] == "float32"}
     assert moved[("TP4PP1", "TP1PP4")] > 0 and moved[("TP1PP1", "TP4PP1")] > 0

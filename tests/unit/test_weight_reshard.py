@@ -5,7 +5,6 @@ tests/integration/test_weight_reshard_gloo.py), and ``verify`` catches a single 
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from node_agent.kv.transport import LocalTransport
 from node_agent.weight_reshard import ReshardError, WeightMismatch, check, execute, verify
 from remp.topology import Topology
 from remp.weightplan import WeightShape, plan_weights, same_host
-from tests.reshard_cases import PADDED, checkpoint, cut, empty_shard, topologies
+from tests.reshard_cases import PADDED, checkpoint, cut, empty_shard, on_threads, topologies
 
 
 def run_pair(shape: WeightShape, full, old: Topology, new: Topology, **kw):
@@ -23,22 +22,15 @@ def run_pair(shape: WeightShape, full, old: Topology, new: Topology, **kw):
     olds = [cut(shape, full, old, r) if r < old.world_size else None for r in range(world)]
     news = [empty_shard(shape, new, r) if r < new.world_size else None for r in range(world)]
     hub = LocalTransport(timeout_s=30)
-    stats, errors = [None] * world, []
 
     def rank(r):
-        try:
-            check(plan, r, olds[r], news[r])
-            stats[r] = execute(plan, r, olds[r], news[r], hub.endpoint(r),
-                               store=full.__getitem__)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        check(plan, r, olds[r], news[r])
+        return execute(plan, r, olds[r], news[r], hub.endpoint(r), store=full.__getitem__)
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    out = on_threads(world, rank)
+    errors = [x for x in out.values() if isinstance(x, BaseException)]
     assert not errors, errors
+    stats = [out[r] for r in range(world)]
     for r in range(new.world_size):
         assert verify(shape, new, r, news[r], full.__getitem__) == plan.shard_bytes(r)
     return plan, stats
@@ -110,20 +102,8 @@ def test_a_rank_that_fails_a_move_still_serves_its_peers_then_raises():
     olds[1][gone] = torch.empty(0)
     news = [empty_shard(PADDED, new_t, r) for r in range(2)]
     hub = LocalTransport(timeout_s=20)
-    out: dict = {}
-
-    def rank(r):
-        try:
-            out[r] = execute(plan, r, olds[r], news[r], hub.endpoint(r), store=full.__getitem__)
-        except Exception as exc:  # noqa: BLE001
-            out[r] = exc
-
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    assert not any(t.is_alive() for t in ts)
+    out = on_threads(2, lambda r: execute(plan, r, olds[r], news[r], hub.endpoint(r),
+                                          store=full.__getitem__), timeout=30)
     assert isinstance(out[1], ReshardError) and "down_proj" in str(out[1])
     assert not isinstance(out[0], Exception)
     with pytest.raises(WeightMismatch, match="down_proj"):
