@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from node_agent.kv.transport import TorchDistTransport
+from node_agent.weight_store import MappedStore
 from node_agent.weight_reshard import check, execute, verify
 from remp.topology import Topology
 from remp.weightplan import DTYPE_BYTES, WeightShape, plan_weights
@@ -45,34 +46,23 @@ def weight_shape_of(hf_config, dtype: torch.dtype) -> tuple[WeightShape | None, 
         return None, f"config: {exc}"
 
 
-class StoreReader:
-    """Checkpoint tensors of the host's shared-memory weight store, by name (opened lazily)."""
+class _LazyStore:
+    """The host store's checkpoint tensors by name, mapped on first use
+    (:class:`~node_agent.weight_store.MappedStore`): a peer-to-peer reshard on one host never
+    reads it."""
 
     def __init__(self, path: str):
-        self.path = Path(path)
-        self._files: dict[str, object] = {}
-        self._where: dict[str, str] | None = None
-        self.bytes_read = 0
-
-    def _index(self) -> dict[str, str]:
-        if self._where is None:
-            from safetensors import safe_open
-
-            self._where = {}
-            for f in sorted(self.path.glob("*.safetensors")):
-                h = self._files[str(f)] = safe_open(str(f), framework="pt")
-                for key in h.keys():
-                    self._where[key] = str(f)
-        return self._where
+        self.path, self._store = path, None
 
     def tensor(self, key: str) -> torch.Tensor:
-        t = self._files[self._index()[key]].get_tensor(key)
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+        if self._store is None:
+            self._store = MappedStore.open(Path(self.path))
+        return self._store.tensor(key)
 
     def close(self) -> None:
-        self._files.clear()
-        self._where = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def plain_params(runner) -> dict[str, torch.Tensor] | None:
@@ -96,7 +86,7 @@ def reshard(rank: int, shape: WeightShape, old: Topology, new: Topology,
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
     if not int(flag.item()):
         return None
-    store = StoreReader(store_path)
+    store = _LazyStore(store_path)
     try:
         st = execute(plan, rank, mine, new_params, TorchDistTransport(group), store=store.tensor)
     finally:
@@ -108,7 +98,7 @@ def verify_params(rank: int, shape: WeightShape, topo: Topology, params: dict,
                   store_path: str) -> int:
     """``--verify-weights``: this rank's parameters against the store, bit for bit (the store's
     tensors cast to the engine's dtype as vLLM's loader casts them). Raises WeightMismatch."""
-    store = StoreReader(store_path)
+    store = _LazyStore(store_path)
     try:
         return verify(shape, topo, rank, params, store.tensor)
     finally:
