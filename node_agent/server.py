@@ -68,8 +68,12 @@ def prepare_environment(cfg: ResolvedAgentConfig, state_dir: str) -> None:
 
 
 def bind_http(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on accepted sockets
+    # whose proto says TCP; with proto 0 every small write (an SSE chunk, a response's headers)
+    # waited for the client's delayed ACK — ~40 ms on the first token of each request
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
     try:
         sock.bind((host, port))
     except OSError as exc:

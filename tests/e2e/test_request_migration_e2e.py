@@ -37,6 +37,7 @@ from tests.helpers import AgentProcess, arm_migration, prompt, stream_completion
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 200
+SHORT_PROMPT, LONG_TOKENS = prompt(0, 12), 490  # 12 + 490 tokens: the agents' 512 context
 PROMPT = prompt(3)
 FI = {"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"}
 API_KEY = "test-openai-key-0123456789"  # A's OpenAI API (vLLM --api-key)
@@ -263,7 +264,11 @@ def test_client_gone_mid_relay_drops_the_request_on_the_target(agents):
                 target_address=b.grpc_addr, target_node="mig-b",
                 mode=pb.RECOVERY_MODE_RECOMPUTE))
             await asyncio.sleep(0.2)
-            client = asyncio.create_task(stream_completion(c, a.http, PROMPT, MAX_TOKENS))
+            # a long request (almost the whole 512-token context): B's continuation must outlast
+            # the hang-up's detection (a 200-token request once finished on B before A saw the
+            # client go, after A's HTTP socket stopped waiting for delayed ACKs)
+            client = asyncio.create_task(stream_completion(c, a.http, SHORT_PROMPT,
+                                                           LONG_TOKENS))
             evs = []
             async for ev in call:
                 evs.append(ev)
@@ -349,6 +354,13 @@ def test_bad_requests_get_clear_statuses(agents):
                 request_id="x", target_address="127.0.0.1:1"), timeout=30))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "not one of this agent's migration peers" in e.value.details()
+        # enum values this agent does not know (a newer client's, or garbage)
+        for bad in ({"mode": 99}, {"kv_int8": 99}):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.MigrateRequest(pb.MigrateRequestRequest(
+                    request_id="x", target_address=b.grpc_addr, **bad), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert f"unknown {next(iter(bad))}" in e.value.details()
     with b.channel() as ch:
         stub = node_agent_pb2_grpc.NodeAgentStub(ch)
         with pytest.raises(grpc.RpcError) as e:
@@ -360,6 +372,12 @@ def test_bad_requests_get_clear_statuses(agents):
             list(stub.ImportRequest(iter([pb.ImportChunk(header=hdr), pb.ImportChunk(kv=b"abc")]),
                                     timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        hdr.kv_format = 99  # a payload format this agent does not know
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.ImportRequest(iter([pb.ImportChunk(header=hdr),
+                                          pb.ImportChunk(kv=b"x" * 10)]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a known KV payload format" in e.value.details()
 
 
 def test_openai_api_key_is_enforced_through_remp_agent(agents):
