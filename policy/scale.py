@@ -76,10 +76,10 @@ class ScaleConfig:
     # next window(s), under the forecast scenarios mixed with the recent observed rates, stays
     # within loss_budget; "band": headroom x the band's upper edge (the older rule)
     sizing: str = "risk"
-    loss_budget: float = 0.0095  # expected share of fixed-best's in-SLO requests a choice may lose
+    loss_budget: float = 0.01  # expected share of fixed-best's in-SLO requests a choice may lose
     recent_windows: int = 3  # the observed rates of the last max(this many windows, recent_s) ...
     recent_s: float = 600.0  # ... are scenarios too ...
-    recent_weight: float = 0.6  # ... with this total weight
+    recent_weight: float = 0.7  # ... with this total weight
     peak_s: float = 3600.0  # the recent peak (for the bet below) is the highest rate of this span
     budget_share: float = 0.5  # of the day's SLO error budget ((1 - bar) x fixed-best's in-SLO requests
     #                            over the last 24 h) a choice may risk in one window at the recent peak
