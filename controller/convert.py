@@ -18,6 +18,8 @@ from google.protobuf.message import Message
 
 from controller import model as m
 from controller.planner import Plan
+from controller.rollout import (NodeProgress, NodeStatus, RolloutPlan, RolloutState,
+                                RolloutStatus, Wave)
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.convert import OUTCOME_FROM_PROTO, OUTCOME_TO_PROTO
@@ -87,7 +89,7 @@ def _enum_out(enum: str, v) -> int:
 
 
 # a field's kind in a plan
-_SCALAR, _ENUM, _TS, _TOPO, _MSG = range(5)
+_SCALAR, _ENUM, _TS, _TOPO, _MSG, _MAP = range(6)
 
 
 @cache
@@ -99,7 +101,10 @@ def _plan(desc, dc: type) -> tuple[tuple[str, int, bool, str], ...]:
     for f in desc.fields:
         if f.name not in names:
             continue
-        if f.message_type is not None:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            # scalar-valued maps only (labels, capacities): (key, value) pairs sorted by key
+            kind, sub = _MAP, ""
+        elif f.message_type is not None:
             sub = f.message_type.full_name
             kind = {_TIMESTAMP: _TS, _TOPOLOGY: _TOPO}.get(sub, _MSG)
         elif f.enum_type is not None:
@@ -130,7 +135,9 @@ def _get(sub: Message, kind: int, name: str):
 def _fill(msg: Message, obj) -> None:
     for fname, kind, repeated, sub in _plan(msg.DESCRIPTOR, type(obj)):
         v = getattr(obj, fname)
-        if kind == _SCALAR:
+        if kind == _MAP:
+            getattr(msg, fname).update(dict(v))
+        elif kind == _SCALAR:
             if repeated:
                 getattr(msg, fname).extend(v)
             else:
@@ -164,7 +171,9 @@ def from_proto(msg: Message, dc: type):
     kw = {}
     for fname, kind, repeated, sub in _plan(msg.DESCRIPTOR, dc):
         v = getattr(msg, fname)
-        if kind == _SCALAR:
+        if kind == _MAP:
+            kw[fname] = tuple(sorted(v.items()))
+        elif kind == _SCALAR:
             kw[fname] = tuple(v) if repeated else v
         elif kind == _ENUM:
             kw[fname] = tuple(_enum_in(sub, x) for x in v) if repeated else _enum_in(sub, v)
@@ -218,3 +227,80 @@ def plan_to_proto(node: str, p: Plan) -> controller_pb2.PlanResponse:
                    sorted(p.predicted.items())],
         predicted_total_seconds=p.predicted_total_s,
         requests_to_preempt=p.requests_to_preempt, noop=p.noop)
+
+
+# ---------------------------------------------------------------------- rollouts
+# controller/rollout.py's frozen dataclasses use StrEnums and (node, why) pairs: mapped here by
+# hand, field for field (tests/unit/test_rollout_store.py round-trips a fully set message).
+def _status_to_proto(st: RolloutStatus) -> int:
+    return controller_pb2.RolloutStatus.Value("ROLLOUT_STATUS_" + st.name)
+
+
+def _node_status_to_proto(st: NodeStatus) -> int:
+    return controller_pb2.RolloutNodeStatus.Value("ROLLOUT_NODE_STATUS_" + st.name)
+
+
+def rollout_to_proto(s: RolloutState, meta: m.RolloutMeta | None = None
+                     ) -> controller_pb2.RolloutState:
+    p = s.plan
+    msg = controller_pb2.RolloutState(
+        rollout_id=s.rollout_id, status=_status_to_proto(s.status), wave=s.wave,
+        failed_node=s.failed_node, pause_requested=s.pause_requested,
+        abort_requested=s.abort_requested, reason=s.reason, version=s.version,
+        plan=controller_pb2.RolloutPlan(
+            target=topology_to_proto(p.target), floor=p.floor, max_parallel=p.max_parallel,
+            base_capacity=p.base_capacity, required_capacity=p.required_capacity,
+            waves=[controller_pb2.RolloutWave(index=w.index, nodes=w.nodes,
+                                              capacity_during=w.capacity_during,
+                                              capacity_after=w.capacity_after)
+                   for w in p.waves],
+            skipped=p.skipped,
+            excluded=[controller_pb2.RolloutExcluded(node=n, why=why) for n, why in p.excluded]),
+        nodes=[controller_pb2.RolloutNodeProgress(
+            node=n.node, wave=n.wave, status=_node_status_to_proto(n.status),
+            switch_id=n.switch_id, error=n.error,
+            outcome=OUTCOME_TO_PROTO[n.outcome] if n.outcome is not None else 0)
+            for n in s.nodes])
+    if meta is not None:
+        msg.request_id, msg.description = meta.request_id, meta.description
+        if meta.created_at is not None:
+            msg.created_at.FromNanoseconds(meta.created_at)
+        msg.capacity_rps.update(dict(meta.capacity_rps))
+    return msg
+
+
+def rollout_from_proto(msg: controller_pb2.RolloutState
+                       ) -> tuple[RolloutState, m.RolloutMeta]:
+    p = msg.plan
+    plan = RolloutPlan(
+        target=topology(p.target), floor=p.floor, max_parallel=p.max_parallel,
+        base_capacity=p.base_capacity, required_capacity=p.required_capacity,
+        waves=tuple(Wave(w.index, tuple(w.nodes), w.capacity_during, w.capacity_after)
+                    for w in p.waves),
+        skipped=tuple(p.skipped), excluded=tuple((e.node, e.why) for e in p.excluded))
+    status_name = controller_pb2.RolloutStatus.Name(msg.status).removeprefix("ROLLOUT_STATUS_")
+    state = RolloutState(
+        rollout_id=msg.rollout_id, plan=plan,
+        status=RolloutStatus[status_name] if msg.status else RolloutStatus.PLANNED,
+        wave=msg.wave, failed_node=msg.failed_node, pause_requested=msg.pause_requested,
+        abort_requested=msg.abort_requested, reason=msg.reason, version=msg.version,
+        nodes=tuple(NodeProgress(
+            node=n.node, wave=n.wave,
+            status=NodeStatus[controller_pb2.RolloutNodeStatus.Name(n.status).removeprefix(
+                "ROLLOUT_NODE_STATUS_")] if n.status else NodeStatus.PENDING,
+            switch_id=n.switch_id, error=n.error,
+            outcome=OUTCOME_FROM_PROTO.get(n.outcome) if n.outcome else None)
+            for n in msg.nodes))
+    meta = m.RolloutMeta(
+        request_id=msg.request_id, description=msg.description,
+        created_at=msg.created_at.ToNanoseconds() if msg.HasField("created_at") else None,
+        capacity_rps=tuple(sorted(msg.capacity_rps.items())))
+    return state, meta
+
+
+def rollout_to_json(s: RolloutState, meta: m.RolloutMeta | None = None) -> str:
+    return to_json(rollout_to_proto(s, meta))
+
+
+def rollout_from_json(text: str) -> tuple[RolloutState, m.RolloutMeta]:
+    return rollout_from_proto(proto_from_json(text, controller_pb2.RolloutState))

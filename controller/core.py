@@ -30,6 +30,7 @@ from controller.validation import NODE_NAME, journal_entries
 from controller.watch import EventHub, WatchLimits, id_key
 from remp import logs
 from remp import metrics
+from remp import validate
 from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError,
                          ResourceExhausted, Unavailable)
 from remp.topology import ModelShape, Topology
@@ -101,8 +102,10 @@ class Controller:
         self._paused = asyncio.Event()  # test hook: set when a driver froze
         self._t: dict[str, dict[str, float]] = {}  # per-switch driver timestamps (logged)
         from controller.recovery import RecoveryCoordinator
+        from controller.rollouts import Rollouts
 
         self.recovery = RecoveryCoordinator(self)
+        self.rollouts = Rollouts(self)
 
     # ------------------------------------------------------------------ lifecycle
     def spawn(self, coro) -> asyncio.Task:
@@ -112,7 +115,7 @@ class Controller:
         return t
 
     async def start(self) -> None:
-        """Recover unfinished switches and start the lease sweeper."""
+        """Recover unfinished switches, start the lease sweeper, resume active rollouts."""
         for sid in await self.store.unfinished():
             row = await self.store.switch(sid)
             if row is not None:
@@ -121,6 +124,7 @@ class Controller:
                 self.spawn(self._reconcile_forever(row))
         self.spawn(self._sweep_leases())
         self.spawn(self.hub.run())
+        await self.rollouts.resume_all()
 
     async def stop(self) -> None:
         for t in list(self._tasks):
@@ -171,6 +175,7 @@ class Controller:
             lease_age_seconds=max(0.0, self.clock() - (lease_until - self.s.lease_seconds)),
             epoch=int(h.get("epoch", 0) or 0), host=reg.host or HostFacts(),
             model=reg.model or ModelFacts(), recommendation=h.get("recommendation", ""),
+            labels=reg.labels, rollout_id=h.get("rollout", ""),
             current_switch=(from_json(current.record_json, SwitchRecord)
                             if current is not None else None))
 
@@ -294,6 +299,9 @@ class Controller:
         if status == "busy":
             raise FailedPrecondition(f"switch {other} is running on node {name}; wait for it "
                                      "(Watch) or abort it")
+        if status == "held":
+            raise FailedPrecondition(f"node {name} is held by rollout {other}: only its own "
+                                     "switches run there (ControlRollout ABORT it, or wait)")
         if status == "moved":
             log.info("controller.topology_moved", node=name, read=str(current), now=other)
             return None
@@ -541,12 +549,13 @@ class Controller:
     # ------------------------------------------------------------------ events
     def _event(self, etype: EventType, node: str, switch_id: str = "",
                phase: int = Phase.UNSPECIFIED, rec: SwitchRecord | None = None,
-               detail: str = "") -> Event:
+               detail: str = "", rollout_id: str = "") -> Event:
         return Event(type=etype, node=node, switch_id=switch_id, phase=phase,
-                     at=_now_ns(self.clock()), detail=detail, record=rec)
+                     at=_now_ns(self.clock()), detail=detail, record=rec,
+                     rollout_id=rollout_id)
 
-    async def watch(self, node: str, switch_id: str, include_history: bool, caller: str
-                    ) -> AsyncIterator[Event]:
+    async def watch(self, node: str, switch_id: str, include_history: bool, caller: str,
+                    rollout_id: str = "") -> AsyncIterator[Event]:
         """Events (filtered by node and switch id) from now on, or from the oldest retained
         with ``include_history``. Holds no Redis connection while it waits: the hub reads
         the stream once for every open Watch. Capped per ``caller`` and in total."""
@@ -559,7 +568,7 @@ class Controller:
         m.watch_streams.inc()
         sub = None
         try:
-            sub = self.hub.subscribe(node, switch_id)
+            sub = self.hub.subscribe(node, switch_id, rollout_id)
             if include_history:
                 # what the hub handed out before this stream subscribed, in pages; the rest
                 # is in the subscription's queue (every id there is after start_id)
@@ -628,6 +637,7 @@ def _check_registration(req: Registration) -> None:
                                   "devices (topology and candidates need tp, pp >= 1)")
     if req.kv_bandwidth_bps < 0 or req.weight_bandwidth_bps < 0:
         raise InvalidArgument("bandwidths must be >= 0")
+    validate.labels("labels", dict(req.labels))
 
 
 def _check_topology_fields(t: Topology) -> None:

@@ -4,7 +4,8 @@ Each mirrors one message of the contract field for field, under the same field n
 :mod:`controller.convert` maps them both ways without loss (the store keeps writing the same
 protobuf JSON). Conventions:
 
-* a message-typed field is ``X | None`` (None: not set), a repeated one a tuple;
+* a message-typed field is ``X | None`` (None: not set), a repeated one a tuple, a map a tuple
+  of (key, value) pairs sorted by key;
 * timestamps are ``int`` nanoseconds since the epoch (None: not set), exact both ways;
 * ``remp.common.v1.Topology`` is :class:`remp.topology.Topology`, ``Phase`` is
   :class:`remp.transaction.Phase`, ``SwitchOutcome`` is :class:`remp.transaction.Outcome`
@@ -44,6 +45,13 @@ class EventType(IntEnum):
     NODE_DRAINING = 9
     REQUEST_RECOVERY = 10
     REQUEST_RECOVERED = 11
+    ROLLOUT_PLANNED = 12
+    ROLLOUT_WAVE = 13
+    ROLLOUT_PAUSED = 14
+    ROLLOUT_DONE = 15
+    ROLLOUT_FAILED = 16
+    ROLLOUT_ABORTED = 17
+    ROLLOUT_PROGRESS = 18
 
 
 class RecoveryAction(IntEnum):
@@ -171,6 +179,7 @@ class Registration:
     model: ModelFacts | None = None
     kv_bandwidth_bps: float = 0.0
     weight_bandwidth_bps: float = 0.0
+    labels: tuple[tuple[str, str], ...] = ()  # map<string, string>: (key, value), sorted
 
 
 @dataclass(frozen=True)
@@ -229,6 +238,8 @@ class NodeState:
     host: HostFacts | None = None
     model: ModelFacts | None = None
     recommendation: str = ""
+    labels: tuple[tuple[str, str], ...] = ()
+    rollout_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -242,6 +253,18 @@ class Event:
     record: SwitchRecord | None = None
     detail: str = ""
     decision: RecoveryDecision | None = None
+    rollout_id: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutMeta:
+    """What a stored rollout keeps beside its :class:`controller.rollout.RolloutState` (the
+    ``RolloutState`` message's fields 11-14)."""
+
+    request_id: str = ""
+    created_at: int | None = None
+    capacity_rps: tuple[tuple[str, float], ...] = ()  # "TPxPPy" → capacity, sorted
+    description: str = ""
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 
 from controller import validation
-from controller.convert import from_proto, plan_to_proto, to_proto, topology
+from controller.convert import from_proto, plan_to_proto, rollout_to_proto, to_proto, topology
 from controller.core import Controller
 from controller.model import Heartbeat, Registration
+from controller.rollouts import RolloutSpec
 from remp.auth import current_caller
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
 from remp.errors import InvalidArgument
@@ -84,7 +85,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @checked_stream
     async def Watch(self, request, context):
         async for ev in self.core.watch(request.node, request.switch_id, request.include_history,
-                                        caller_key(context)):
+                                        caller_key(context), request.rollout_id):
             yield to_proto(ev)
 
     @rpc_errors
@@ -135,3 +136,33 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def ListRecoveries(self, request, context):
         return controller_pb2.ListRecoveriesResponse(
             recoveries=[to_proto(r) for r in await self.core.list_recoveries(request.node)])
+
+    @rpc_errors
+    @checked
+    async def Rollout(self, request, context):
+        v = await self.core.rollouts.create(RolloutSpec(
+            target=topology(request.target), floor=request.capacity_floor,
+            max_parallel=request.max_parallel or 1, capacity=dict(request.capacity_rps),
+            nodes=tuple(request.nodes), labels=dict(request.labels),
+            request_id=request.request_id, reason=request.reason, dry_run=request.dry_run))
+        return controller_pb2.RolloutResponse(rollout=rollout_to_proto(v.state, v.meta),
+                                              duplicate=v.duplicate, dry_run=v.dry_run)
+
+    @rpc_errors
+    @checked
+    async def GetRollout(self, request, context):
+        v = await self.core.rollouts.get(request.rollout_id)
+        return rollout_to_proto(v.state, v.meta)
+
+    @rpc_errors
+    @checked
+    async def ListRollouts(self, request, context):
+        return controller_pb2.ListRolloutsResponse(rollouts=[
+            rollout_to_proto(v.state, v.meta)
+            for v in await self.core.rollouts.list(request.active_only, request.limit)])
+
+    @rpc_errors
+    @checked
+    async def ControlRollout(self, request, context):
+        v = await self.core.rollouts.control(request.rollout_id, request.action, request.reason)
+        return rollout_to_proto(v.state, v.meta)

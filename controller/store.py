@@ -17,6 +17,11 @@ protobuf JSON of their message, :func:`controller.convert.to_json`; methods take
 - ``history:{n}`` and ``history`` sorted sets of switch ids by start time
 - ``unfinished`` set of switch ids whose outcome is still running (crash recovery)
 - ``events`` stream: field ``e`` = Event JSON (without its id; the stream id is the Event id)
+- ``rollout:{id}`` hash: ``state`` (RolloutState JSON), ``version``, ``status``, ``request_id``,
+  ``created``, ``capacity`` (JSON), ``description``; ``rollouts`` sorted set of ids by creation
+  time; ``rollouts:active`` set of ids not finished (resumed at start);
+  ``rollout_req:{request_id}`` → id (7 days); ``node:{n}`` field ``rollout``: the active rollout
+  holding the node ("" when none)
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ _BEGIN = """
 -- KEYS: node, reqid (or ""), switch, unfinished, history_node, history_all, events
 -- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl,
 --       observed (the topology the switch was planned from: it must still be the node's)
+-- Refuses ('held', rollout id) a node an active rollout holds unless the request id is that
+-- rollout's.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
 if KEYS[2] ~= '' then
   local prev = redis.call('GET', KEYS[2])
@@ -48,6 +55,12 @@ if KEYS[2] ~= '' then
 end
 local cur = redis.call('HGET', KEYS[1], 'current')
 if cur and cur ~= '' then return {'busy', cur} end
+-- a node held by a rollout switches only for that rollout (request id 'rollout:{id}:...')
+local held = redis.call('HGET', KEYS[1], 'rollout')
+if held and held ~= '' then
+  local prefix = 'rollout:' .. held .. ':'
+  if string.sub(ARGV[5], 1, string.len(prefix)) ~= prefix then return {'held', held} end
+end
 local observed = redis.call('HGET', KEYS[1], 'observed') or ''
 if observed ~= ARGV[10] then return {'moved', observed} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
@@ -162,6 +175,62 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
 return 1
 """
 
+_ROLLOUT_CREATE = """
+-- KEYS: rollout hash, rollouts zset, active set, rollout_req (or ""), events, node hashes...
+-- ARGV: id, state_json, status, request_id, created, event_json, maxlen, ttl, capacity_json,
+--       description, node names... (one per node key, same order)
+-- The nodes the rollout switches are held (node field 'rollout'), all or none.
+if KEYS[4] ~= '' then
+  local prev = redis.call('GET', KEYS[4])
+  if prev then return {'dup', prev, ''} end
+end
+for i = 6, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return {'notfound', '', ARGV[i + 5]} end
+  local held = redis.call('HGET', KEYS[i], 'rollout')
+  if held and held ~= '' then return {'busy', held, ARGV[i + 5]} end
+end
+for i = 6, #KEYS do redis.call('HSET', KEYS[i], 'rollout', ARGV[1]) end
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'version', 0, 'status', ARGV[3],
+           'request_id', ARGV[4], 'created', ARGV[5], 'capacity', ARGV[9],
+           'description', ARGV[10])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[8]) end
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
+return {'ok', ARGV[1], ''}
+"""
+
+_ROLLOUT_STEP = """
+-- KEYS: rollout hash, active set, events, node hashes... (only when terminal: released)
+-- ARGV: expected_version, new_version, state_json, status, terminal (0/1), event_json, maxlen,
+--       id
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'version') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'version', ARGV[2], 'status', ARGV[4])
+if ARGV[5] == '1' then
+  redis.call('SREM', KEYS[2], ARGV[8])
+  for i = 4, #KEYS do
+    if redis.call('HGET', KEYS[i], 'rollout') == ARGV[8] then
+      redis.call('HSET', KEYS[i], 'rollout', '')
+    end
+  end
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
+return 1
+"""
+
+
+@dataclass
+class RolloutRow:
+    rollout_id: str
+    state_json: str  # the RolloutState message's JSON (controller.convert.rollout_from_json)
+    version: int
+    status: str
+    request_id: str
+    created: float
+    capacity_json: str  # {"TPxPPy": capacity}
+    description: str
+
 
 # A pooled connection left over from before a Redis restart answers its first command with
 # "Connection closed by server". Before a connection idle for more than a second is used it is
@@ -205,7 +274,8 @@ class Store:
         self._scripts = {name: self.r.register_script(src) for name, src in (
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
             ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
-            ("expire", _EXPIRE), ("recommend", _RECOMMEND))}
+            ("expire", _EXPIRE), ("recommend", _RECOMMEND),
+            ("rollout_create", _ROLLOUT_CREATE), ("rollout_step", _ROLLOUT_STEP))}
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -222,6 +292,12 @@ class Store:
     def k_unfinished(self) -> str: return f"{self.p}unfinished"
     @property
     def k_nodes(self) -> str: return f"{self.p}nodes"
+    def k_rollout(self, r: str) -> str: return f"{self.p}rollout:{r}"
+    def k_rollout_req(self, rid: str) -> str: return f"{self.p}rollout_req:{rid}" if rid else ""
+    @property
+    def k_rollouts(self) -> str: return f"{self.p}rollouts"
+    @property
+    def k_rollouts_active(self) -> str: return f"{self.p}rollouts:active"
 
     def _unavailable(self, exc: BaseException) -> Unavailable:
         if isinstance(exc, (aioredis.ConnectionError, aioredis.TimeoutError, OSError)):
@@ -355,6 +431,53 @@ class Store:
 
     async def history_count(self, node: str | None) -> int:
         return int(await self._call(self.r.zcard(self.k_hist(node))))
+
+    # ---------------------------------------------------------------- rollouts
+    async def rollout_create(self, rollout_id: str, state_json: str, status: str,
+                             request_id: str, created: float, capacity_json: str,
+                             description: str, nodes: list[str], event: Event
+                             ) -> tuple[str, str, str]:
+        """('ok', id, '') | ('dup', the earlier rollout's id, '') | ('busy', the rollout
+        holding it, node) | ('notfound', '', node). Holds every node of ``nodes``."""
+        res = await self._run("rollout_create", [
+            self.k_rollout(rollout_id), self.k_rollouts, self.k_rollouts_active,
+            self.k_rollout_req(request_id), self.k_events, *map(self.k_node, nodes),
+        ], [rollout_id, state_json, status, request_id, created, to_json(event), EVENTS_MAXLEN,
+            REQID_TTL_S, capacity_json, description, *nodes])
+        return res[0], res[1], res[2]
+
+    async def rollout_step(self, rollout_id: str, expected_version: int, new_version: int,
+                           state_json: str, status: str, terminal: bool, nodes: list[str],
+                           event: Event) -> bool:
+        """Compare-and-set on the version: False when another writer got there first. A
+        terminal status leaves the active set and releases the ``nodes`` still held by it."""
+        res = await self._run("rollout_step", [
+            self.k_rollout(rollout_id), self.k_rollouts_active, self.k_events,
+            *(map(self.k_node, nodes) if terminal else ()),
+        ], [int(expected_version), int(new_version), state_json, status,
+            1 if terminal else 0, to_json(event), EVENTS_MAXLEN, rollout_id])
+        if res == -1:
+            raise NotFound(f"no rollout with id {rollout_id!r}")
+        return bool(res)
+
+    async def rollout(self, rollout_id: str) -> RolloutRow | None:
+        h = await self._call(self.r.hgetall(self.k_rollout(rollout_id)))
+        if not h:
+            return None
+        return RolloutRow(rollout_id, h.get("state", "{}"), int(h.get("version", 0)),
+                          h.get("status", ""), h.get("request_id", ""),
+                          float(h.get("created", 0) or 0), h.get("capacity", "{}"),
+                          h.get("description", ""))
+
+    async def rollout_for_request(self, request_id: str) -> str | None:
+        return await self._call(self.r.get(self.k_rollout_req(request_id)))
+
+    async def active_rollouts(self) -> list[str]:
+        return sorted(await self._call(self.r.smembers(self.k_rollouts_active)))
+
+    async def rollout_ids(self, limit: int) -> list[str]:
+        """Newest first."""
+        return await self._call(self.r.zrevrange(self.k_rollouts, 0, limit - 1))
 
     # ---------------------------------------------------------------- events
     # ---------------------------------------------------------------- recovery

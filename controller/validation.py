@@ -24,6 +24,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from remp.errors import InvalidArgument
+from remp.validate import LABEL_KEY_CHARS, LABEL_VALUE_CHARS, MAX_LABELS
+from remp.validate import LABEL_KEY as LABEL_KEY_RE
+from remp.validate import LABEL_VALUE as LABEL_VALUE_RE
 
 MAX_REPEATED = 4096  # entries of any repeated string or message field
 JOURNAL_MAX_ENTRIES = 4096
@@ -86,6 +89,12 @@ REASON = Rule(1024, None)
 PATH = Rule(4096, None)
 LABEL = Rule(256, None)
 DEFAULT = Rule(256, None)
+LABEL_KEY = Rule(63, f"[{LABEL_KEY_CHARS}]", whole=LABEL_KEY_RE.pattern,
+                 note=", starting and ending with a letter or digit")
+LABEL_VALUE = Rule(63, f"[{LABEL_VALUE_CHARS}]", whole=LABEL_VALUE_RE.pattern,
+                   note=", starting and ending with a letter or digit")
+TOPOLOGY_KEY = Rule(16, "[TP0-9]", whole=r"TP[1-9][0-9]{0,3}PP[1-9][0-9]{0,3}",
+                    note=", a topology like TP2PP1")
 SKIP = None  # checked elsewhere (see journal_entries)
 
 # field name → rule; (message full name, field name) first where a name means something else
@@ -105,8 +114,17 @@ RULES: dict = {
     "path": PATH,
     "architecture": NAME,
     "dtype": NAME,
+    "nodes": NODE,
+    "rollout_id": ID,
     ("remp.controller.v1.InflightRequest", "request_id"): SKIP,
 }
+# map field name → (key rule, value rule: None when the values are not strings) and the most
+# entries; a map not listed takes DEFAULT for both and MAX_MAP entries
+MAP_RULES: dict = {
+    "labels": (LABEL_KEY, LABEL_VALUE, MAX_LABELS),
+    "capacity_rps": (TOPOLOGY_KEY, None, 256),
+}
+MAX_MAP = 256
 
 
 def rule_for(message_name: str, field: str):
@@ -138,7 +156,8 @@ def check(msg: Message, prefix: str = "") -> None:
                 _timestamp(where, value)
                 continue
             if fd.message_type.GetOptions().map_entry:
-                continue  # no maps in these protos; bounded by the message size anyway
+                _map(where, fd, value)
+                continue
             if repeated:
                 if fd.message_type.full_name != "remp.controller.v1.InflightRequest":
                     _count(where, value)
@@ -155,6 +174,19 @@ def _timestamp(where: str, ts) -> None:
     if not (TS_MIN_S <= ts.seconds <= TS_MAX_S and 0 <= ts.nanos <= 999_999_999):
         raise InvalidArgument(f"{where}: not a valid timestamp (seconds {ts.seconds}, nanos "
                               f"{ts.nanos}; years 0001-9999)")
+
+
+def _map(where: str, fd, value) -> None:
+    key_rule, value_rule, most = MAP_RULES.get(fd.name, (DEFAULT, DEFAULT, MAX_MAP))
+    if len(value) > most:
+        raise InvalidArgument(f"{where}: at most {most} entries (got {len(value)})")
+    strings = fd.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_STRING
+    for k in sorted(value):
+        if not k:
+            raise InvalidArgument(f"{where}: a key is empty")
+        key_rule.check(f"{where} key", k)
+        if strings and value_rule is not None:
+            value_rule.check(f"{where}[{k}]", value[k])
 
 
 def _count(where: str, value: Sequence) -> None:

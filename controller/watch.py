@@ -64,15 +64,18 @@ class Subscription:
     """One Watch stream's filter and bounded queue. ``start_id``: the last event id delivered
     before it subscribed (history up to it is read separately; everything after arrives here)."""
 
-    def __init__(self, node: str, switch_id: str, maxsize: int, start_id: str):
+    def __init__(self, node: str, switch_id: str, maxsize: int, start_id: str,
+                 rollout_id: str = ""):
         self.node, self.switch_id, self.maxsize, self.start_id = node, switch_id, maxsize, start_id
+        self.rollout_id = rollout_id
         self._items: deque[Event] = deque()
         self._wake = asyncio.Event()
         self.error: RempError | None = None
 
     def matches(self, ev: Event) -> bool:
         return (not self.node or ev.node == self.node) and \
-            (not self.switch_id or ev.switch_id == self.switch_id)
+            (not self.switch_id or ev.switch_id == self.switch_id) and \
+            (not self.rollout_id or ev.rollout_id == self.rollout_id)
 
     def offer(self, ev: Event) -> bool:
         """Queue ``ev``; False when the queue is full (the caller drops this subscription)."""
@@ -109,8 +112,9 @@ class Fanout:
     def __len__(self) -> int:
         return len(self.subs)
 
-    def subscribe(self, node: str, switch_id: str, start_id: str) -> Subscription:
-        sub = Subscription(node, switch_id, self.maxsize, start_id)
+    def subscribe(self, node: str, switch_id: str, start_id: str,
+                  rollout_id: str = "") -> Subscription:
+        sub = Subscription(node, switch_id, self.maxsize, start_id, rollout_id)
         self.subs.add(sub)
         return sub
 
@@ -152,11 +156,11 @@ class EventHub:
         self.ready = False
         self.on_drop = None  # hook: called with the number of dropped subscriptions
 
-    def subscribe(self, node: str, switch_id: str) -> Subscription:
+    def subscribe(self, node: str, switch_id: str, rollout_id: str = "") -> Subscription:
         if not self.ready or self.last_id is None:
             raise Unavailable("the controller cannot read its event stream (Redis unreachable);"
                               " retry Watch shortly")
-        return self.fanout.subscribe(node, switch_id, self.last_id)
+        return self.fanout.subscribe(node, switch_id, self.last_id, rollout_id)
 
     def unsubscribe(self, sub: Subscription) -> None:
         self.fanout.unsubscribe(sub)

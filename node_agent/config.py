@@ -110,6 +110,9 @@ class AgentSettings(BaseSettings):
     tls_client_ca: Path | None = Field(
         None, description="require client certificates signed by this CA (mutual TLS)")
     controller: str | None = Field(None, description="controller host:port to register with")
+    labels: dict[str, str] = Field(default_factory=dict, description=(
+        "operator labels sent with the registration (a rollout's label selector matches "
+        "them): remp agent --label k=v (repeatable), or JSON in REMP_AGENT_LABELS"))
     migration_peers: Annotated[list[str] | None, NoDecode] = Field(
         None, description="host:port of agents MigrateRequest may send requests to without "
         "asking the controller (agents without a controller; with one, any node registered "
@@ -142,6 +145,21 @@ class AgentSettings(BaseSettings):
         if not v or any(c.isspace() for c in v):
             raise ValueError("node name must be non-empty and contain no spaces")
         return v
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, v):
+        from remp.errors import InvalidArgument
+        from remp.validate import labels
+
+        if isinstance(v, (list, tuple)):  # k=v strings (the CLI's --label)
+            pass
+        elif not isinstance(v, dict):
+            raise ValueError("labels must be key=value pairs")
+        try:
+            return labels("labels", v)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("migration_peers", mode="before")
     @classmethod

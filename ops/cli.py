@@ -74,6 +74,9 @@ def _agent_parser(sub) -> None:
     p.add_argument("--tls-client-ca", type=Path,
                    help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--controller", help="controller host:port to register with")
+    p.add_argument("--label", dest="labels", action="append", metavar="KEY=VALUE",
+                   help="a label registered with the controller (repeatable); a rollout "
+                   "can select nodes by label (remp rollout --label KEY=VALUE)")
     p.add_argument("--migration-peers", help="comma-separated host:port of agents this one may "
                    "send requests to besides the controller's registered nodes")
     p.add_argument("--peer-tls-ca", type=Path, help="CA of the target agents' certificates "
@@ -200,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ops import commands as ops_cli
 
     ops_cli.add_parsers(sub)
+    from ops import rollout_cli
+
+    rollout_cli.add_parser(sub)
     up.add_parser(sub)
     prefill.add_parser(sub)
     sub.add_parser("policy", help="the policy service: evaluate | serve | ... "
@@ -324,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return policy_main(argv[1:])
     a = build_parser().parse_args(argv)
-    from ops import prefill
+    from ops import prefill, rollout_cli
     from ops import commands as ops_cli
 
     return {"agent": cmd_agent, "controller": cmd_controller, "make-model": cmd_make_model,
             "dashboard": cmd_dashboard, "up": cmd_up, "profile": prefill.main,
-            "credentials": cmd_credentials,
+            "credentials": cmd_credentials, "rollout": rollout_cli.cmd_rollout,
             **ops_cli.COMMANDS}[a.cmd](a)
 
 

@@ -115,6 +115,10 @@ def node_line(n: dict) -> str:
         s += f"\n{'':16} switching {cur['switch_id']} {cur['from']}→{cur['to']} at {cur['phase']}"
     if n["recommendation"]:
         s += f"\n{'':16} policy recommends {n['recommendation']}"
+    if n.get("labels"):
+        s += f"\n{'':16} labels " + ",".join(f"{k}={v}" for k, v in n["labels"].items())
+    if n.get("rollout_id"):
+        s += f"\n{'':16} held by rollout {n['rollout_id']}"
     return s
 
 
@@ -122,7 +126,8 @@ def cmd_nodes(a) -> int:
     ch, stub = _stub(a)
     with ch:
         try:
-            nodes = [views.node_view(n) for n in
+            nodes = [dict(views.node_view(n), labels=dict(sorted(n.labels.items())),
+                          rollout_id=n.rollout_id) for n in
                      stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10).nodes]
         except grpc.RpcError as exc:
             return _rpc_fail(a, exc)

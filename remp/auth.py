@@ -74,6 +74,10 @@ RPC_ACCESS: dict[str, frozenset[Role]] = {
     _C + "RecordRecommendation": frozenset({PO}),
     _C + "DrainNode": frozenset({O}),
     _C + "ListRecoveries": frozenset({O, PO, CT}),  # request ids
+    _C + "Rollout": frozenset({O, PO}),  # like Reconfigure: it runs switches
+    _C + "GetRollout": PUBLIC,
+    _C + "ListRollouts": PUBLIC,
+    _C + "ControlRollout": frozenset({O, PO}),
     # node agent: switches and epochs only from the controller
     _A + "Describe": PUBLIC,
     _A + "ExecuteSwitch": frozenset({CT}),

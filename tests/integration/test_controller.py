@@ -75,6 +75,8 @@ ALLOWED = {
     "ListRecoveries": ("operator", "policy", "controller"),
     "ListNodes": (), "GetState": (), "Plan": (), "GetSwitch": (), "ListSwitches": (),
     "GetTraffic": (), "Watch": (),
+    "Rollout": ("operator", "policy"), "ControlRollout": ("operator", "policy"),
+    "GetRollout": (), "ListRollouts": (),
 }
 GHOST = "auth-ghost"  # never registered: an allowed call gets past auth and answers NOT_FOUND
 AUTH_REQUESTS = {
@@ -94,6 +96,12 @@ AUTH_REQUESTS = {
     "ListSwitches": controller_pb2.ListSwitchesRequest(),
     "GetTraffic": controller_pb2.GetTrafficRequest(node=GHOST),
     "Watch": controller_pb2.WatchRequest(node=GHOST),
+    "Rollout": controller_pb2.RolloutRequest(nodes=[GHOST], target=types_pb2.Topology(tp=1, pp=2),
+                                             capacity_rps={"TP1PP2": 1.0}, dry_run=True),
+    "ControlRollout": controller_pb2.ControlRolloutRequest(
+        rollout_id="ro-ghost", action=controller_pb2.ROLLOUT_ACTION_PAUSE),
+    "GetRollout": controller_pb2.GetRolloutRequest(rollout_id="ro-ghost"),
+    "ListRollouts": controller_pb2.ListRolloutsRequest(),
 }
 ROLES = ("operator", "controller", "agent", "policy")
 

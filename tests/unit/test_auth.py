@@ -35,6 +35,7 @@ def test_the_table_lists_every_rpc_of_every_service_and_nothing_else():
 
 def test_state_changing_and_request_data_rpcs_are_not_public():
     must = {"RegisterNode", "Heartbeat", "Reconfigure", "Abort", "RecordRecommendation",
+            "Rollout", "ControlRollout",
             "DrainNode", "ListRecoveries", "ExecuteSwitch", "AbortSwitch", "ListRequests",
             "MigrateRequest", "ImportRequest", "SetDraining", "SetMode"}
     for m, roles in RPC_ACCESS.items():

@@ -359,6 +359,11 @@ async def test_a_lost_nodes_recovery_is_retried_while_redis_is_unreachable(core,
 def _populate(msg, depth: int = 0) -> None:
     """Every field of ``msg`` set to a non-default value (submessages recursively)."""
     for i, f in enumerate(msg.DESCRIPTOR.fields, start=1):
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            vf = f.message_type.fields_by_name["value"]
+            val = 0.25 * i if vf.type in (vf.TYPE_DOUBLE, vf.TYPE_FLOAT) else f"{f.name}-v"
+            getattr(msg, f.name).update({f"{f.name}-b": val, f"{f.name}-a": val})
+            continue
         if f.message_type is not None:
             if f.message_type.full_name == "google.protobuf.Timestamp":
                 subs = [getattr(msg, f.name).add() for _ in range(2)] if f.is_repeated \

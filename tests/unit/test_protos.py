@@ -22,6 +22,12 @@ def _fill(msg, depth=0):
     """Set every field of ``msg`` to a non-default value (recursively), deterministically."""
     for i, f in enumerate(msg.DESCRIPTOR.fields, start=1):
         repeated = f.is_repeated
+        if f.type == descriptor.FieldDescriptor.TYPE_MESSAGE and \
+                f.message_type.GetOptions().map_entry:
+            vf = f.message_type.fields_by_name["value"]
+            getattr(msg, f.name)[f"{f.name}-{i}"] = (
+                0.5 + i if vf.type == descriptor.FieldDescriptor.TYPE_DOUBLE else f"v-{i}-é")
+            continue
         if f.type == descriptor.FieldDescriptor.TYPE_MESSAGE:
             if depth > 3:
                 continue
@@ -85,7 +91,8 @@ def test_phase_order_matches_transaction():
     (controller_pb2, "Controller", {"Reconfigure", "Plan", "GetState", "ListNodes", "Watch", "Abort",
                                     "GetSwitch", "ListSwitches", "RegisterNode", "Heartbeat",
                                     "GetTraffic", "RecordRecommendation", "DrainNode",
-                                    "ListRecoveries"}),
+                                    "ListRecoveries", "Rollout", "GetRollout", "ListRollouts",
+                                    "ControlRollout"}),
     (node_agent_pb2, "NodeAgent", {"Describe", "ExecuteSwitch", "AbortSwitch", "GetSwitch",
                                    "ListRequests", "MigrateRequest", "ImportRequest",
                                    "SetDraining"}),

@@ -33,6 +33,39 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_NODE_DRAINING: _ClassVar[EventType]
     EVENT_TYPE_REQUEST_RECOVERY: _ClassVar[EventType]
     EVENT_TYPE_REQUEST_RECOVERED: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_PLANNED: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_WAVE: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_PAUSED: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_DONE: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_FAILED: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_ABORTED: _ClassVar[EventType]
+    EVENT_TYPE_ROLLOUT_PROGRESS: _ClassVar[EventType]
+
+class RolloutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_ACTION_UNSPECIFIED: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_PAUSE: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_RESUME: _ClassVar[RolloutAction]
+    ROLLOUT_ACTION_ABORT: _ClassVar[RolloutAction]
+
+class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_STATUS_UNSPECIFIED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_PLANNED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_RUNNING: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_PAUSED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_ABORTED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_FAILED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_DONE: _ClassVar[RolloutStatus]
+
+class RolloutNodeStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_NODE_STATUS_UNSPECIFIED: _ClassVar[RolloutNodeStatus]
+    ROLLOUT_NODE_STATUS_PENDING: _ClassVar[RolloutNodeStatus]
+    ROLLOUT_NODE_STATUS_SWITCHING: _ClassVar[RolloutNodeStatus]
+    ROLLOUT_NODE_STATUS_SUCCEEDED: _ClassVar[RolloutNodeStatus]
+    ROLLOUT_NODE_STATUS_ROLLED_BACK: _ClassVar[RolloutNodeStatus]
+    ROLLOUT_NODE_STATUS_FAILED: _ClassVar[RolloutNodeStatus]
 NODE_HEALTH_UNSPECIFIED: NodeHealth
 NODE_HEALTH_READY: NodeHealth
 NODE_HEALTH_SWITCHING: NodeHealth
@@ -50,9 +83,40 @@ EVENT_TYPE_RECOMMENDATION: EventType
 EVENT_TYPE_NODE_DRAINING: EventType
 EVENT_TYPE_REQUEST_RECOVERY: EventType
 EVENT_TYPE_REQUEST_RECOVERED: EventType
+EVENT_TYPE_ROLLOUT_PLANNED: EventType
+EVENT_TYPE_ROLLOUT_WAVE: EventType
+EVENT_TYPE_ROLLOUT_PAUSED: EventType
+EVENT_TYPE_ROLLOUT_DONE: EventType
+EVENT_TYPE_ROLLOUT_FAILED: EventType
+EVENT_TYPE_ROLLOUT_ABORTED: EventType
+EVENT_TYPE_ROLLOUT_PROGRESS: EventType
+ROLLOUT_ACTION_UNSPECIFIED: RolloutAction
+ROLLOUT_ACTION_PAUSE: RolloutAction
+ROLLOUT_ACTION_RESUME: RolloutAction
+ROLLOUT_ACTION_ABORT: RolloutAction
+ROLLOUT_STATUS_UNSPECIFIED: RolloutStatus
+ROLLOUT_STATUS_PLANNED: RolloutStatus
+ROLLOUT_STATUS_RUNNING: RolloutStatus
+ROLLOUT_STATUS_PAUSED: RolloutStatus
+ROLLOUT_STATUS_ABORTED: RolloutStatus
+ROLLOUT_STATUS_FAILED: RolloutStatus
+ROLLOUT_STATUS_DONE: RolloutStatus
+ROLLOUT_NODE_STATUS_UNSPECIFIED: RolloutNodeStatus
+ROLLOUT_NODE_STATUS_PENDING: RolloutNodeStatus
+ROLLOUT_NODE_STATUS_SWITCHING: RolloutNodeStatus
+ROLLOUT_NODE_STATUS_SUCCEEDED: RolloutNodeStatus
+ROLLOUT_NODE_STATUS_ROLLED_BACK: RolloutNodeStatus
+ROLLOUT_NODE_STATUS_FAILED: RolloutNodeStatus
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node", "agent_address", "http_address", "topology", "candidates", "host", "model", "kv_bandwidth_bps", "weight_bandwidth_bps")
+    __slots__ = ("node", "agent_address", "http_address", "topology", "candidates", "host", "model", "kv_bandwidth_bps", "weight_bandwidth_bps", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +126,7 @@ class RegisterNodeRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     node: str
     agent_address: str
     http_address: str
@@ -71,7 +136,8 @@ class RegisterNodeRequest(_message.Message):
     model: _types_pb2.ModelFacts
     kv_bandwidth_bps: float
     weight_bandwidth_bps: float
-    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., kv_bandwidth_bps: _Optional[float] = ..., weight_bandwidth_bps: _Optional[float] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., kv_bandwidth_bps: _Optional[float] = ..., weight_bandwidth_bps: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("lease_seconds", "epoch")
@@ -194,7 +260,14 @@ class GetStateRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("node", "agent_address", "http_address", "desired", "observed", "candidates", "health", "lease_age_seconds", "current_switch", "epoch", "stale", "host", "model", "recommendation")
+    __slots__ = ("node", "agent_address", "http_address", "desired", "observed", "candidates", "health", "lease_age_seconds", "current_switch", "epoch", "stale", "host", "model", "recommendation", "labels", "rollout_id")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +282,8 @@ class NodeState(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDATION_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     node: str
     agent_address: str
     http_address: str
@@ -223,7 +298,9 @@ class NodeState(_message.Message):
     host: _types_pb2.HostFacts
     model: _types_pb2.ModelFacts
     recommendation: str
-    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., desired: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., observed: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., health: _Optional[_Union[NodeHealth, str]] = ..., lease_age_seconds: _Optional[float] = ..., current_switch: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., epoch: _Optional[int] = ..., stale: _Optional[bool] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., recommendation: _Optional[str] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    rollout_id: str
+    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., desired: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., observed: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., health: _Optional[_Union[NodeHealth, str]] = ..., lease_age_seconds: _Optional[float] = ..., current_switch: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., epoch: _Optional[int] = ..., stale: _Optional[bool] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., recommendation: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("node", "target")
@@ -312,17 +389,19 @@ class ReconfigureResponse(_message.Message):
     def __init__(self, switch_id: _Optional[str] = ..., noop: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("node", "switch_id", "include_history")
+    __slots__ = ("node", "switch_id", "include_history", "rollout_id")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     node: str
     switch_id: str
     include_history: bool
-    def __init__(self, node: _Optional[str] = ..., switch_id: _Optional[str] = ..., include_history: _Optional[bool] = ...) -> None: ...
+    rollout_id: str
+    def __init__(self, node: _Optional[str] = ..., switch_id: _Optional[str] = ..., include_history: _Optional[bool] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("id", "type", "node", "switch_id", "phase", "at", "record", "detail", "decision")
+    __slots__ = ("id", "type", "node", "switch_id", "phase", "at", "record", "detail", "decision", "rollout_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +411,7 @@ class Event(_message.Message):
     RECORD_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     type: EventType
     node: str
@@ -341,7 +421,8 @@ class Event(_message.Message):
     record: _types_pb2.SwitchRecord
     detail: str
     decision: _types_pb2.RecoveryDecision
-    def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., node: _Optional[str] = ..., switch_id: _Optional[str] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., record: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., detail: _Optional[str] = ..., decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ...) -> None: ...
+    rollout_id: str
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., node: _Optional[str] = ..., switch_id: _Optional[str] = ..., phase: _Optional[_Union[_types_pb2.Phase, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., record: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., detail: _Optional[str] = ..., decision: _Optional[_Union[_types_pb2.RecoveryDecision, _Mapping]] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("switch_id", "reason")
@@ -414,3 +495,174 @@ class RecordRecommendationRequest(_message.Message):
 class RecordRecommendationResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RolloutRequest(_message.Message):
+    __slots__ = ("nodes", "labels", "target", "capacity_floor", "max_parallel", "capacity_rps", "request_id", "reason", "dry_run")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class CapacityRpsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_RPS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    labels: _containers.ScalarMap[str, str]
+    target: _types_pb2.Topology
+    capacity_floor: float
+    max_parallel: int
+    capacity_rps: _containers.ScalarMap[str, float]
+    request_id: str
+    reason: str
+    dry_run: bool
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., capacity_floor: _Optional[float] = ..., max_parallel: _Optional[int] = ..., capacity_rps: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class RolloutResponse(_message.Message):
+    __slots__ = ("rollout", "duplicate", "dry_run")
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    rollout: RolloutState
+    duplicate: bool
+    dry_run: bool
+    def __init__(self, rollout: _Optional[_Union[RolloutState, _Mapping]] = ..., duplicate: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class GetRolloutRequest(_message.Message):
+    __slots__ = ("rollout_id",)
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    def __init__(self, rollout_id: _Optional[str] = ...) -> None: ...
+
+class ListRolloutsRequest(_message.Message):
+    __slots__ = ("active_only", "limit")
+    ACTIVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    active_only: bool
+    limit: int
+    def __init__(self, active_only: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListRolloutsResponse(_message.Message):
+    __slots__ = ("rollouts",)
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedCompositeFieldContainer[RolloutState]
+    def __init__(self, rollouts: _Optional[_Iterable[_Union[RolloutState, _Mapping]]] = ...) -> None: ...
+
+class ControlRolloutRequest(_message.Message):
+    __slots__ = ("rollout_id", "action", "reason")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    action: RolloutAction
+    reason: str
+    def __init__(self, rollout_id: _Optional[str] = ..., action: _Optional[_Union[RolloutAction, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RolloutWave(_message.Message):
+    __slots__ = ("index", "nodes", "capacity_during", "capacity_after")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_DURING_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    capacity_during: float
+    capacity_after: float
+    def __init__(self, index: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., capacity_during: _Optional[float] = ..., capacity_after: _Optional[float] = ...) -> None: ...
+
+class RolloutExcluded(_message.Message):
+    __slots__ = ("node", "why")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    why: str
+    def __init__(self, node: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
+
+class RolloutPlan(_message.Message):
+    __slots__ = ("target", "floor", "max_parallel", "base_capacity", "required_capacity", "waves", "skipped", "excluded")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    BASE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    WAVES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    target: _types_pb2.Topology
+    floor: float
+    max_parallel: int
+    base_capacity: float
+    required_capacity: float
+    waves: _containers.RepeatedCompositeFieldContainer[RolloutWave]
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    excluded: _containers.RepeatedCompositeFieldContainer[RolloutExcluded]
+    def __init__(self, target: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., floor: _Optional[float] = ..., max_parallel: _Optional[int] = ..., base_capacity: _Optional[float] = ..., required_capacity: _Optional[float] = ..., waves: _Optional[_Iterable[_Union[RolloutWave, _Mapping]]] = ..., skipped: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[RolloutExcluded, _Mapping]]] = ...) -> None: ...
+
+class RolloutNodeProgress(_message.Message):
+    __slots__ = ("node", "wave", "status", "switch_id", "outcome", "error")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    wave: int
+    status: RolloutNodeStatus
+    switch_id: str
+    outcome: _types_pb2.SwitchOutcome
+    error: str
+    def __init__(self, node: _Optional[str] = ..., wave: _Optional[int] = ..., status: _Optional[_Union[RolloutNodeStatus, str]] = ..., switch_id: _Optional[str] = ..., outcome: _Optional[_Union[_types_pb2.SwitchOutcome, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RolloutState(_message.Message):
+    __slots__ = ("rollout_id", "plan", "status", "wave", "nodes", "failed_node", "pause_requested", "abort_requested", "reason", "version", "request_id", "created_at", "capacity_rps", "description")
+    class CapacityRpsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_RPS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    plan: RolloutPlan
+    status: RolloutStatus
+    wave: int
+    nodes: _containers.RepeatedCompositeFieldContainer[RolloutNodeProgress]
+    failed_node: str
+    pause_requested: bool
+    abort_requested: bool
+    reason: str
+    version: int
+    request_id: str
+    created_at: _timestamp_pb2.Timestamp
+    capacity_rps: _containers.ScalarMap[str, float]
+    description: str
+    def __init__(self, rollout_id: _Optional[str] = ..., plan: _Optional[_Union[RolloutPlan, _Mapping]] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., wave: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[RolloutNodeProgress, _Mapping]]] = ..., failed_node: _Optional[str] = ..., pause_requested: _Optional[bool] = ..., abort_requested: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., request_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., capacity_rps: _Optional[_Mapping[str, float]] = ..., description: _Optional[str] = ...) -> None: ...

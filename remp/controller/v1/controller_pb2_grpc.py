@@ -105,6 +105,26 @@ class ControllerStub:
                 request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesRequest.SerializeToString,
                 response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesResponse.FromString,
                 _registered_method=True)
+        self.Rollout = channel.unary_unary(
+                '/remp.controller.v1.Controller/Rollout',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutResponse.FromString,
+                _registered_method=True)
+        self.GetRollout = channel.unary_unary(
+                '/remp.controller.v1.Controller/GetRollout',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.GetRolloutRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutState.FromString,
+                _registered_method=True)
+        self.ListRollouts = channel.unary_unary(
+                '/remp.controller.v1.Controller/ListRollouts',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRolloutsRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRolloutsResponse.FromString,
+                _registered_method=True)
+        self.ControlRollout = channel.unary_unary(
+                '/remp.controller.v1.Controller/ControlRollout',
+                request_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ControlRolloutRequest.SerializeToString,
+                response_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutState.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -208,6 +228,40 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollout(self, request, context):
+        """A fleet rollout (docs/rollout.md): switch a set of nodes (names, or labels they registered
+        with) to one target topology in waves, never letting the set's serving capacity fall below
+        a floor. Plans and starts it (or only plans it: dry_run) and returns at once; the waves run
+        in the background, their state in Redis (resumed after a controller restart). Idempotent by
+        request_id. INVALID_ARGUMENT bad input, NOT_FOUND unknown node / no label match,
+        FAILED_PRECONDITION the floor cannot be kept even one node at a time, or a node is held by
+        another rollout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRollouts(self, request, context):
+        """Newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlRollout(self, request, context):
+        """PAUSE (after the running wave), RESUME, ABORT (switches still abortable are aborted; the
+        others finish). FAILED_PRECONDITION when the rollout's status does not allow it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +334,26 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ListRecoveries,
                     request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesRequest.FromString,
                     response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesResponse.SerializeToString,
+            ),
+            'Rollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollout,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutResponse.SerializeToString,
+            ),
+            'GetRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRollout,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.GetRolloutRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutState.SerializeToString,
+            ),
+            'ListRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRollouts,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRolloutsRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.ListRolloutsResponse.SerializeToString,
+            ),
+            'ControlRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlRollout,
+                    request_deserializer=remp_dot_controller_dot_v1_dot_controller__pb2.ControlRolloutRequest.FromString,
+                    response_serializer=remp_dot_controller_dot_v1_dot_controller__pb2.RolloutState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -660,6 +734,114 @@ class Controller:
             '/remp.controller.v1.Controller/ListRecoveries',
             remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesRequest.SerializeToString,
             remp_dot_controller_dot_v1_dot_controller__pb2.ListRecoveriesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/Rollout',
+            remp_dot_controller_dot_v1_dot_controller__pb2.RolloutRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.RolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/GetRollout',
+            remp_dot_controller_dot_v1_dot_controller__pb2.GetRolloutRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.RolloutState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/ListRollouts',
+            remp_dot_controller_dot_v1_dot_controller__pb2.ListRolloutsRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.ListRolloutsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remp.controller.v1.Controller/ControlRollout',
+            remp_dot_controller_dot_v1_dot_controller__pb2.ControlRolloutRequest.SerializeToString,
+            remp_dot_controller_dot_v1_dot_controller__pb2.RolloutState.FromString,
             options,
             channel_credentials,
             insecure,
