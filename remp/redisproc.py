@@ -83,7 +83,8 @@ class RedisServer:
     """``with RedisServer() as r: r.url`` — a private server on a free loopback port."""
 
     def __init__(self, port: int = 0, password: str | None = None, *,
-                 generate_password: bool = False, persist: bool = False):
+                 generate_password: bool = False, persist: bool = False,
+                 replica_of: int | None = None):
         if password is None and generate_password:
             password = secrets.token_urlsafe(32)
         if password is not None and (not password or "\n" in password or "\r" in password):
@@ -91,6 +92,7 @@ class RedisServer:
         self.port = port or _free_port()
         self.password = password
         self.persist = persist
+        self.replica_of = replica_of  # the loopback port of the primary it replicates
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="remp-redis-")  # 0700
 
@@ -117,7 +119,12 @@ class RedisServer:
         else:
             lines += ["appendonly no"]
         if self.password:
-            lines.append(f"requirepass {_conf_value(self.password)}")
+            # masterauth too: any server of a Sentinel group may become a replica after a
+            # failover, and then authenticates to the new primary with the group's password
+            lines += [f"requirepass {_conf_value(self.password)}",
+                      f"masterauth {_conf_value(self.password)}"]
+        if self.replica_of:
+            lines.append(f"replicaof 127.0.0.1 {int(self.replica_of)}")
         path = self.config_path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -184,6 +191,172 @@ class RedisServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisSentinel:
+    """A ``redis-server --sentinel`` on a free loopback port, monitoring the primary at
+    ``primary_port`` as ``service`` (quorum ``quorum``). Its configuration (the group's
+    password included) is a 0600 file in a private directory; Sentinel rewrites that file as it
+    learns the group, which is why it must be writable."""
+
+    def __init__(self, primary_port: int, password: str | None, *, service: str = "remp",
+                 quorum: int = 2, down_after_ms: int = 2000, failover_timeout_ms: int = 10000,
+                 port: int = 0):
+        self.port = port or _free_port()
+        self.primary_port, self.password, self.service = primary_port, password, service
+        self.quorum, self.down_after_ms = quorum, down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="remp-sentinel-")  # 0700
+
+    def _write_config(self) -> Path:
+        svc = self.service
+        lines = [f"port {self.port}", "bind 127.0.0.1", "daemonize no",
+                 f"dir {_conf_value(self._dir)}",
+                 f"logfile {_conf_value(str(Path(self._dir) / 'sentinel.log'))}",
+                 f"sentinel monitor {svc} 127.0.0.1 {self.primary_port} {self.quorum}",
+                 f"sentinel down-after-milliseconds {svc} {self.down_after_ms}",
+                 f"sentinel failover-timeout {svc} {self.failover_timeout_ms}",
+                 f"sentinel parallel-syncs {svc} 1"]
+        if self.password:
+            lines += [f"sentinel auth-pass {svc} {_conf_value(self.password)}",
+                      f"requirepass {_conf_value(self.password)}",
+                      # sentinels talk to each other with the same password
+                      f"sentinel sentinel-pass {_conf_value(self.password)}"]
+        path = Path(self._dir) / "sentinel.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def start(self, timeout: float = 20, preexec_fn=None) -> "RedisSentinel":
+        cmd = [redis_server_binary(), str(self._write_config()), "--sentinel"]
+        kw = {"preexec_fn": preexec_fn} if preexec_fn else {"start_new_session": True}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, **kw)
+        probe = RedisServer(self.port, self.password)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sentinel exited with {self.proc.returncode}: "
+                                       + self.log_tail())
+                if probe.ping():
+                    return self
+                time.sleep(0.05)
+        finally:
+            shutil.rmtree(probe._dir, ignore_errors=True)
+        self.stop()
+        raise TimeoutError(f"sentinel did not answer on port {self.port}")
+
+    def log_tail(self) -> str:
+        try:
+            return (Path(self._dir) / "sentinel.log").read_text()[-2000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class RedisHA:
+    """A primary, ``replicas`` replicas and ``sentinels`` sentinels on loopback, one password
+    (``remp up --ha``, the failover tests). :attr:`url` is the ``redis+sentinel://`` location
+    clients use (:mod:`remp.redisconn`); like :attr:`RedisServer.url` it carries the password:
+    hand it over through the environment, print :attr:`redacted_url`."""
+
+    def __init__(self, *, password: str | None = None, generate_password: bool = True,
+                 replicas: int = 1, sentinels: int = 3, service: str = "remp",
+                 down_after_ms: int = 2000, failover_timeout_ms: int = 10000,
+                 persist: bool = True):
+        self.primary = RedisServer(password=password, generate_password=generate_password,
+                                   persist=persist)
+        pw = self.primary.password
+        self.replicas = [RedisServer(password=pw, persist=persist,
+                                     replica_of=self.primary.port) for _ in range(replicas)]
+        self.sentinels = [RedisSentinel(self.primary.port, pw, service=service,
+                                        quorum=sentinels // 2 + 1, down_after_ms=down_after_ms,
+                                        failover_timeout_ms=failover_timeout_ms)
+                          for _ in range(sentinels)]
+        self.service, self.password = service, pw
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [self.primary, *self.replicas]
+
+    @property
+    def url(self) -> str:
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{auth}{hosts}/{self.service}"
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
+
+    def start(self, timeout: float = 30, preexec_fn=None) -> "RedisHA":
+        try:
+            for s in self.servers:
+                s.start(timeout, preexec_fn)
+            for s in self.sentinels:
+                s.start(timeout, preexec_fn)
+            self.wait_synced(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _info(self, server: RedisServer, section: str) -> dict[str, str]:
+        import redis  # noqa: PLC0415 - the sync client, for a few INFO calls
+
+        with redis.Redis(port=server.port, password=self.password, socket_timeout=2,
+                         decode_responses=True) as r:
+            return r.info(section)
+
+    def wait_synced(self, timeout: float = 30) -> None:
+        """Until every replica reports its link to the primary up."""
+        deadline = time.monotonic() + timeout
+        for rep in self.replicas:
+            while self._info(rep, "replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica on {rep.port} did not sync")
+                time.sleep(0.05)
+
+    def primary_port(self) -> int | None:
+        """The port the sentinels name as the primary now (None if none answers)."""
+        import redis  # noqa: PLC0415
+
+        for s in self.sentinels:
+            try:
+                with redis.Redis(port=s.port, password=self.password, socket_timeout=1,
+                                 decode_responses=True) as r:
+                    addr = r.execute_command("SENTINEL", "get-master-addr-by-name", self.service)
+                    if addr:
+                        return int(addr[1])
+            except (redis.RedisError, OSError):
+                continue
+        return None
+
+    def server_on(self, port: int) -> RedisServer:
+        return next(s for s in self.servers if s.port == port)
+
+    def stop(self) -> None:
+        for s in [*self.sentinels, *self.servers]:
+            s.stop()
+
+    def __enter__(self) -> "RedisHA":
         return self.start()
 
     def __exit__(self, *exc) -> None:
