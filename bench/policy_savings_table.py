@@ -113,8 +113,9 @@ def main() -> None:
                 tb, ta = r["mean_tpot_ms"]["fixed-best"], r["mean_tpot_ms"]["auto"]
                 ob, oa = off_peak_tpot_ms(ev, prof, "fixed-best"), off_peak_tpot_ms(ev, prof, "auto")
                 lat.append(f"| {series.name} | {model} | {tb:.1f} | {ta:.1f} | {100 * (1 - ta / tb):.0f} % | "
-                           f"{ob:.1f} | {oa:.1f} | {100 * (1 - oa / ob):.0f} % | "
-                           f"{r['relative_attainment_min_day']['auto']:.4f} | {r['switches_per_day']['auto']:.1f} |")
+                           + (f"{ob:.1f} | {oa:.1f} | {100 * (1 - oa / ob):.0f} % | " if ob == ob else
+                              "— | — | no window <= 50 % of the peak | ")
+                           + f"{r['relative_attainment_min_day']['auto']:.4f} | {r['switches_per_day']['auto']:.1f} |")
                 print(lat[-1], flush=True)
     summary = _summary(records)
     print(summary)

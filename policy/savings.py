@@ -11,8 +11,9 @@ Policies:
   after it) ("same slot yesterday"); reactive where no yesterday exists.
 - ``auto``: the forecaster chooser + ``policy.scale.decide_scale`` for the chosen objective; the
   replay gives it what a live policy could count itself: the recent observed rates, the peak of
-  the last hour, yesterday's rate for the slot, and the day's remaining SLO error budget
-  (1 % x fixed-best's in-SLO requests over the last 24 h minus its own losses today).
+  the last hour, yesterday's rate for the slot, the day's remaining SLO error budget
+  (1 % x fixed-best's in-SLO requests over the last 24 h minus its own losses today) and
+  fixed-best's mean in-SLO rate over the last 24 h.
 - ``oracle-lag1`` (only when asked for, a reference): the oracle's choices one window late.
 - ``oracle``: knows every window's load; per window the cheapest topology keeping >= (1 - 0.01)
   of fixed-best's SLO goodput in that window, chosen by a DP that also pays each switch's cost
@@ -548,8 +549,10 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
                 recent = None
             band = Band(W, mean[w], upper[w], scen[w] * scale, fnames[w])
             seas = float(rates[w - day_n]) if w >= day_n else math.nan
+            obs = ~np.isnan(rates[lo:w])  # fixed-best's mean in-SLO rate over the last 24 h
+            day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
-                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas)
+                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good)
             decisions.append(d)
             state = after(state, d)
         topos.append(state.current)

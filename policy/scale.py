@@ -17,9 +17,12 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   observed over the last max(``recent_windows``, ``recent_s``) and yesterday's rate for the coming
   slot where known. Per topology the expected in-SLO requests lost against fixed-best over them,
   as a share of fixed-best's (``CapacityTable.relative_loss``).
-- A topology qualifies when that share is <= ``loss_budget``, its loss in one window at the peak
-  of the last ``peak_s`` is <= ``budget_share`` x the day's remaining SLO error budget (argument
-  ``error_budget``, requests), and it covers the absolute floor ``floor_rps``.
+- A topology qualifies when that share is <= ``loss_budget`` (x mean / next, at most
+  ``quiet_budget_max``, in a window whose expected fixed-best in-SLO rate "next" is below the
+  last 24 h's mean ``day_goodput``: the day's bar counts requests, so a quiet window may lose a
+  larger share of its own), its loss in one window at the peak of the last ``peak_s`` is <=
+  ``budget_share`` x the day's remaining SLO error budget (argument ``error_budget``, requests),
+  and it covers the absolute floor ``floor_rps``.
 - **Scale up at once** (no dwell, never held by the budget) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``.
 - **Scale down** (one world-size step at a time with ``step_down``) when a smaller one qualifies,
@@ -83,6 +86,7 @@ class ScaleConfig:
     peak_s: float = 3600.0  # the recent peak (for the bet below) is the highest rate of this span
     budget_share: float = 0.5  # of the day's SLO error budget ((1 - bar) x fixed-best's in-SLO requests
     #                            over the last 24 h) a choice may risk in one window at the recent peak
+    quiet_budget_max: float = 2.0  # in a window quieter than the last 24 h, loss_budget x (24-h mean / next) up to this
     min_dwell_windows: int = 2  # the dwell is at least this many windows
     step_down: bool = True  # a scale-down releases one world-size step at a time
 
@@ -91,8 +95,10 @@ class ScaleConfig:
             raise ValueError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
-        if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0):
-            raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0")
+        if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
+                and self.quiet_budget_max >= 1):
+            raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0, "
+                             "quiet_budget_max >= 1")
         if not (self.headroom >= 1.0 and 0 < self.band_quantile < 1 and self.min_dwell_s >= 0
                 and self.max_switches_per_day >= 1 and self.floor_rps >= 0 and 0 < self.attainment_bar <= 1):
             raise ValueError("headroom >= 1, 0 < band_quantile < 1, dwell >= 0, budget >= 1, "
@@ -233,11 +239,14 @@ def _risk(band: Band, n: int, cap: float, headroom: float) -> float:
 def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
                  table: CapacityTable, cfg: ScaleConfig = ScaleConfig(),
                  recent_peak: float = math.nan, recent: np.ndarray | None = None,
-                 error_budget: float = math.inf, seasonal: float = math.nan) -> ScaleDecision:
+                 error_budget: float = math.inf, seasonal: float = math.nan,
+                 day_goodput: float = math.nan) -> ScaleDecision:
     """One decision for the window starting at ``now_s`` (see the module docstring).
     ``recent_peak``: the highest rate observed over the last ``min_dwell_s`` (NaN: unknown); a
     scale-down target must also cover it with headroom (bursty traffic makes the multiplicative
-    forecast band collapse after a quiet window; the recent peak does not)."""
+    forecast band collapse after a quiet window; the recent peak does not). ``day_goodput``:
+    fixed-best's mean in-SLO rate over the observed windows of the last 24 h (req/s; NaN: the
+    loss budget is not scaled for quiet windows)."""
     W = band.window_s
     H = len(band.upper)
     last = 0.0 if math.isnan(last_rate) else float(last_rate)
@@ -286,7 +295,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
-                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal)
+                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput)
 
     # gpu-hours, sizing "band"
     if n_now > cap:
@@ -358,7 +367,7 @@ def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.
 
 
 def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
-                 up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal):  # noqa: ANN001 - see decide_scale
+                 up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput):  # noqa: ANN001 - see decide_scale
     """gpu-hours with sizing "risk" (see the module docstring)."""
     W = band.window_s
     cur = state.current
@@ -374,6 +383,14 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     def ok(n: int) -> dict:
         x, wt = _mixture(band, n, mix, cfg.recent_weight)
         return table.relative_loss(x, wt)
+
+    # the day's bar counts requests, not windows: a window quieter than the last 24 h's mean may
+    # lose a larger share of its own requests for the same share of the day's
+    if cfg.quiet_budget_max > 1.0 and not math.isnan(day_goodput) and day_goodput > 0:
+        x1, w1 = _mixture(band, 1, mix, cfg.recent_weight)
+        nxt = float(np.dot(w1, table.scorer.goodput_rps(table.fixed_best, np.maximum(np.nan_to_num(x1), 0.0))))
+        if nxt > 0:
+            eps *= min(max(day_goodput / nxt, 1.0), cfg.quiet_budget_max)
 
     pk = np.append(rec, recent_peak) if recent_peak is not None else rec
     peak = float(np.nanmax(pk)) if pk.size and np.any(~np.isnan(pk)) else last

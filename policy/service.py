@@ -188,6 +188,7 @@ class ScaleInputs:
     recent_peak: float  # the highest rate of the last peak_s (NaN: none observed)
     error_budget: float  # requests: the day's remaining SLO error budget
     seasonal: float  # yesterday's rate for the coming window (NaN: no day of history)
+    day_goodput: float = math.nan  # fixed-best's mean in-SLO rate over the last 24 h's observed windows
 
 
 def error_budget(table: CapacityTable, history: Sequence[Window], window_s: float, now_s: float,
@@ -238,7 +239,9 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
             seasonal = history[i].rate
     budget = (error_budget(table, history, W, now_s, cfg.attainment_bar)
               if cfg.sizing == "risk" else math.inf)
-    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal)
+    day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9 and not math.isnan(w.rate)])
+    day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good)
 
 
 def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -761,7 +764,7 @@ class PolicyService:
         inp = scale_inputs(n.history, self.window_s, cfg, table, now)
         sd = decide_scale(st, now, inp.last_rate, band, table, cfg, inp.recent_peak,
                           inp.recent if cfg.sizing == "risk" else None, inp.error_budget,
-                          inp.seasonal)
+                          inp.seasonal, inp.day_goodput)
         if sd.recommended not in topos:  # never recommend what the node cannot take
             sd = replace(sd, recommended=cur, switch=False, reason="stay",
                          text=f"{sd.recommended} is not a candidate of this node; staying")

@@ -273,6 +273,8 @@ def test_scale_inputs_recent_peak_and_yesterdays_slot():
     assert np.array_equal(inp.recent, np.array(rates[-3:]), equal_nan=True)
     assert inp.recent_peak == np.nanmax(rates[-6:])
     assert inp.seasonal == rates[n - 144]  # the coming window, one day earlier
+    day = [r for r in rates[n - 144:] if not math.isnan(r)]  # the last 24 h's observed windows
+    assert inp.day_goodput == pytest.approx(float(np.mean(table.scorer.goodput_rps(table.fixed_best, np.array(day)))))
     short = scale_inputs(hist[-20:], Wd, c, table, n * Wd)
     assert math.isnan(short.seasonal) and short.recent.size == 3
 

@@ -256,3 +256,25 @@ def test_off_peak_tpot_of_the_latency_objective():
     fb, auto = off_peak_tpot_ms(ev, prof, "fixed-best"), off_peak_tpot_ms(ev, prof, "auto")
     assert 0 < auto < fb  # off-peak, the latency objective runs a lower-TPOT layout
     assert off_peak_tpot_ms(ev, prof, "fixed-best", share=1.0) == pytest.approx(ev.runs["fixed-best"].tpot_ms)
+
+
+def test_a_quiet_window_may_lose_a_larger_share_of_its_own_requests(table):
+    """The day's bar counts requests: with the last 24 h's mean in-SLO rate at 3x the next window's,
+    a world-4 topology expected to lose 1-2 % of that window qualifies (budget 1 % x up to 2);
+    without the day's mean (NaN) it does not."""
+    big = table.fixed_best
+    w4 = next(t for t in table.order if t.world_size == 4)
+    grid = np.linspace(0.5 * table.slo_cap[w4], 2 * table.slo_cap[w4], 400)
+    loss = np.array([table.relative_loss(np.array([x]), np.array([1.0]))[w4] for x in grid])
+    x = float(grid[np.argmax((loss > 0.012) & (loss < 0.018))])
+    st = PolicyState(big, last_switch_s=0.0, switch_times_s=())
+    rec = np.full(3, x)
+    day = 3 * float(table.scorer.goodput_rps(big, x))
+    plain = decide_scale(st, 1e5, x, band(x), table, recent=rec, error_budget=1e9)
+    quiet = decide_scale(st, 1e5, x, band(x), table, recent=rec, error_budget=1e9, day_goodput=day)
+    assert not plain.switch
+    assert quiet.switch and quiet.reason == "scale-down" and quiet.recommended.world_size == 4
+    assert "<= 2.00%" in quiet.text
+    off = decide_scale(st, 1e5, x, band(x), table, ScaleConfig(quiet_budget_max=1.0), recent=rec,
+                       error_budget=1e9, day_goodput=day)
+    assert not off.switch
