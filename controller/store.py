@@ -35,6 +35,7 @@ from redis.backoff import NoBackoff
 from controller.convert import from_json, to_json
 from controller.model import Event, Registration
 from remp.errors import NotFound, Unavailable
+from remp import logs, redisconn
 from remp.redisproc import redact_url
 from remp.transaction import Outcome
 
@@ -238,6 +239,12 @@ class RolloutRow:
 # reconnect: the pool heals itself after Redis comes back instead of failing one call per
 # pooled connection (found: a lost node's recovery died on one). Only connection errors are
 # retried, never timeouts (a timed-out script may have run).
+log = logs.get_logger("remp.controller.store")
+
+# the scripts whose writes a caller is told about (Store.wait_replicas)
+ACKNOWLEDGED = frozenset({"begin", "noop", "dispatch", "finish", "rollout_create",
+                          "rollout_step"})
+
 STALE_CONNECTION_RECOVERY = dict(
     health_check_interval=1.0,
     retry=Retry(NoBackoff(), 1, supported_errors=(aioredis.ConnectionError,)))
@@ -264,12 +271,20 @@ class Store:
     reader) so that load on one cannot starve another."""
 
     def __init__(self, url: str, prefix: str = "remp:", *, max_connections: int = 32,
-                 pool_timeout: float = 5.0, socket_timeout: float = 5.0, lane: str = ""):
+                 pool_timeout: float = 5.0, socket_timeout: float = 5.0, lane: str = "",
+                 wait_replicas: int = 0, wait_ms: int = 1000):
         self.url, self.p, self.lane = redact_url(url), prefix, lane  # never the password
-        pool = aioredis.BlockingConnectionPool.from_url(
+        # ``url``: one server, or redis+sentinel://… (the primary as Sentinel names it now;
+        # after a failover the next connection goes to the promoted replica)
+        pool = redisconn.blocking_pool(
             url, max_connections=max_connections, timeout=pool_timeout, decode_responses=True,
             socket_timeout=socket_timeout, socket_connect_timeout=min(2.0, socket_timeout),
             **STALE_CONNECTION_RECOVERY)
+        # the writes a caller is told about (a switch begun, dispatched, finished; a rollout's
+        # steps) are acknowledged only once ``wait_replicas`` replicas have them (WAIT on the
+        # same connection), so a failover to a replica loses none of them
+        self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
+        self._replicas_seen, self._degraded_logged = wait_replicas, False
         self.r = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
         self._scripts = {name: self.r.register_script(src) for name, src in (
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
@@ -307,9 +322,42 @@ class Store:
 
     async def _run(self, name: str, keys: list[str], args: list):
         try:
+            if self.wait_replicas and name in ACKNOWLEDGED:
+                return await self._run_acknowledged(name, keys, args)
             return await self._scripts[name](keys=keys, args=args)
         except (aioredis.RedisError, OSError) as exc:
             raise self._unavailable(exc) from exc
+
+    async def _run_acknowledged(self, name: str, keys: list[str], args: list):
+        """The script, then WAIT on the same connection (ROLE first, in the same pipeline:
+        how many replicas the primary has now). Acknowledged when the write reached
+        ``wait_replicas`` replicas, or every replica connected now when fewer are (the group
+        after a failover, before the old primary is back as a replica: the control plane
+        keeps working with one copy, as it survives the loss of any one process, and logs
+        it); otherwise Unavailable, and the caller is not told the write happened."""
+        want = min(self.wait_replicas, self._replicas_seen)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.execute_command("ROLE")
+        await self._scripts[name](keys=keys, args=args, client=pipe)
+        if want:
+            pipe.execute_command("WAIT", want, self.wait_ms)
+        out = await pipe.execute()
+        role, res = out[0], out[1]
+        connected = len(role[2]) if len(role) > 2 and isinstance(role[2], list) else 0
+        self._replicas_seen = connected
+        got = int(out[2]) if want else 0
+        if got < min(self.wait_replicas, connected):
+            raise Unavailable(f"redis at {self.url}: the {name} write reached {got} of "
+                              f"{min(self.wait_replicas, connected)} replica(s) in "
+                              f"{self.wait_ms} ms; not acknowledged")
+        if connected < self.wait_replicas and not self._degraded_logged:
+            self._degraded_logged = True
+            log.warning("controller.redis_replicas_missing", want=self.wait_replicas,
+                        connected=connected, lane=self.lane,
+                        detail="acknowledged writes have fewer copies until a replica returns")
+        elif connected >= self.wait_replicas:
+            self._degraded_logged = False
+        return res
 
     async def _call(self, coro):
         try:
@@ -365,6 +413,19 @@ class Store:
             pipe.hgetall(self.k_node(n))
         rows = await self._call(pipe.execute())
         return {n: h for n, h in zip(names, rows) if h}
+
+    async def nodes_fields(self, fields: tuple[str, ...]) -> dict[str, dict[str, str]]:
+        """Only ``fields`` of every node's hash (one pipeline): what a rollout plans from,
+        without the heartbeats' traffic samples."""
+        names = await self.node_names()
+        if not names:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hmget(self.k_node(n), list(fields))
+        rows = await self._call(pipe.execute())
+        return {n: {f: v for f, v in zip(fields, vals) if v is not None}
+                for n, vals in zip(names, rows) if any(v is not None for v in vals)}
 
     # ---------------------------------------------------------------- switches
     async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
