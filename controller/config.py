@@ -19,8 +19,14 @@ class ControllerSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
-    redis_url: str | None = Field(None, description="redis://[:password@]host:port/db or "
-                                  "rediss:// for TLS; unset: start a private redis-server")
+    redis_url: str | None = Field(None, description="redis://[:password@]host:port/db, "
+                                  "rediss:// for TLS, or redis+sentinel://[:password@]host:port"
+                                  "[,host:port…]/service[/db] through Redis Sentinel; unset: "
+                                  "start a private redis-server")
+    redis_wait_replicas: int = Field(0, ge=0, le=8, description="acknowledge a switch's and a "
+                                     "rollout's writes only once this many replicas have them "
+                                     "(WAIT; 1 with Sentinel: a failover loses none of them)")
+    redis_wait_ms: int = Field(1000, ge=1, le=60_000, description="how long WAIT waits")
     redis_prefix: str = "remp:"
     credentials_file: Path | None = Field(None, description="who may call what (remp.auth); "
                                           "default $REMP_CREDENTIALS_FILE / $REMP_TOKEN_<ROLE>")

@@ -48,7 +48,8 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
 
     def lane(name: str, size: int, **kw) -> Store:
         return metrics.CountingStore(Store(url, s.redis_prefix, max_connections=size, lane=name,
-                                           **kw), m)
+                                           wait_replicas=s.redis_wait_replicas,
+                                           wait_ms=s.redis_wait_ms, **kw), m)
     store = lane("switches", s.redis_switch_connections)
     leases = lane("agents", s.redis_agent_connections)
     reads = lane("reads", s.redis_read_connections, pool_timeout=2.0)

@@ -336,12 +336,12 @@ class Store:
         keeps working with one copy, as it survives the loss of any one process, and logs
         it); otherwise Unavailable, and the caller is not told the write happened."""
         want = min(self.wait_replicas, self._replicas_seen)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.execute_command("ROLE")
-        await self._scripts[name](keys=keys, args=args, client=pipe)
-        if want:
-            pipe.execute_command("WAIT", want, self.wait_ms)
-        out = await pipe.execute()
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.execute_command("ROLE")
+            await self._scripts[name](keys=keys, args=args, client=pipe)
+            if want:
+                pipe.execute_command("WAIT", want, self.wait_ms)
+            out = await pipe.execute()
         role, res = out[0], out[1]
         connected = len(role[2]) if len(role) > 2 and isinstance(role[2], list) else 0
         self._replicas_seen = connected
