@@ -325,30 +325,36 @@ class Rollouts:
     # ------------------------------------------------------------------ the driver
     def _act(self, rollout_id: str, step: Step) -> None:
         if step.start:
-            self.ctl.spawn(self._guard(rollout_id, self._start_wave(rollout_id, step.start)))
+            names = step.start
+            self.ctl.spawn(self._guard(rollout_id, lambda: self._start_wave(rollout_id, names)))
 
-    async def _guard(self, rollout_id: str, coro) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except Unavailable as exc:
-            # Redis lost mid-rollout: the rollout stays as stored; re-driven from there once
-            # Redis answers again (and by the next start of the controller otherwise)
-            log.warning("controller.rollout_waits_for_redis", rollout_id=rollout_id,
-                        error=str(exc))
-            self.ctl.spawn(self._guard(rollout_id, self._resume_when_redis_is_back(rollout_id)))
-        except RempError as exc:
-            # a refused write: the rollout stays as stored; the next start of the controller
-            # resumes it from rollouts:active
-            log.error("controller.rollout_driver_stopped", rollout_id=rollout_id,
-                      error=f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - keep the controller up
-            log.error("controller.rollout_driver_failed", rollout_id=rollout_id,
-                      error=repr(exc))
+    async def _guard(self, rollout_id: str, make) -> None:
+        """Run ``make()`` (a coroutine factory: each step of the driver is idempotent — the
+        state is re-read and a node's switch re-sent with its request id); while Redis is
+        unreachable wait and run it again, as the switch driver waits for its record."""
+        delay = 0.5
+        while True:
+            try:
+                await make()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Unavailable as exc:
+                log.warning("controller.rollout_driver_waiting", rollout_id=rollout_id,
+                            error=str(exc), retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except RempError as exc:  # a refused write (kept changing, gone): as stored
+                log.error("controller.rollout_driver_stopped", rollout_id=rollout_id,
+                          error=f"{type(exc).__name__}: {exc}")
+                return
+            except Exception as exc:  # noqa: BLE001 - keep the controller up
+                log.error("controller.rollout_driver_failed", rollout_id=rollout_id,
+                          error=repr(exc))
+                return
 
     async def _start_wave(self, rollout_id: str, names: tuple[str, ...]) -> None:
-        await asyncio.gather(*(self._guard(rollout_id, self._drive_node(rollout_id, n))
+        await asyncio.gather(*(self._guard(rollout_id, lambda n=n: self._drive_node(rollout_id, n))
                                for n in names))
 
     async def _drive_node(self, rollout_id: str, node: str) -> None:

@@ -18,6 +18,9 @@ every request sent must complete.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -161,8 +164,23 @@ class Load:
                 time.sleep(0.05)
 
 
+def cli(ctl, *args) -> dict:
+    """``remp rollout ... --json`` against the stack's controller (credentials: the env's)."""
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "rollout", *args, "--controller",
+                        ctl.addr, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_rollout_one_at_a_time_keeps_the_floor_and_serves(stack):
     ctl, agents = stack
+    # the CLI's dry run: the waves from the profile's capacities, nothing started
+    plan = cli(ctl, "plan", "TP1PP2", "--label", "=".join(LABEL), "--floor", str(FLOOR),
+               "--max-parallel", "3", "--profile", "tiny-cpu-2core")
+    assert plan["rollout_id"] == "" and [w["nodes"] for w in plan["waves"]] == [
+        ["ro-a"], ["ro-b"], ["ro-c"]]
+    assert plan["capacity_rps"] == CAP and plan["required_capacity"] == 13.5
+    assert not call(ctl, "ListRollouts", S.ListRolloutsRequest()).rollouts
     with Load(ctl, agents) as load:
         r = rollout(ctl, (1, 2))
         assert [list(w.nodes) for w in r.plan.waves] == [["ro-a"], ["ro-b"], ["ro-c"]]
@@ -263,6 +281,7 @@ def test_pause_resume_abort_and_a_held_node_refuses_other_switches(stack):
     assert min(load.samples) >= r.plan.required_capacity, load.samples
     assert load.completed == load.sent, load.errors[:5]
     print(f"rollout 3: {load.sent + 1} requests sent, {load.completed + 1} completed")
-    listed = call(ctl, "ListRollouts", S.ListRolloutsRequest()).rollouts
-    assert [x.status for x in listed][:3] == [S.ROLLOUT_STATUS_ABORTED, S.ROLLOUT_STATUS_FAILED,
-                                              S.ROLLOUT_STATUS_DONE]
+    listed = cli(ctl, "list")["rollouts"]
+    assert [x["status"] for x in listed] == ["aborted", "failed", "done"]
+    assert cli(ctl, "get", r.rollout_id)["status"] == "aborted"
+    assert not call(ctl, "ListRollouts", S.ListRolloutsRequest(active_only=True)).rollouts

@@ -22,7 +22,7 @@ from controller.rollout import (NodeStatus, RolloutStatus, new_rollout, plan_rol
 from controller.rollouts import Action, RolloutSpec
 from controller.store import Store
 from remp.controller.v1 import controller_pb2
-from remp.errors import FailedPrecondition, InvalidArgument, NotFound
+from remp.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from remp.redisproc import RedisServer
 
 TP2, PP2 = Topology(2, 1), Topology(1, 2)
@@ -329,6 +329,24 @@ async def test_a_restarted_controller_resumes_without_running_a_switch_twice(sto
         await b.stop()
     assert st.status is RolloutStatus.DONE
     assert [n for n, _ in fleet.executed] == ["n1", "n2", "n3"]  # n2 once: followed again
+
+
+async def test_the_driver_waits_out_redis_errors_and_runs_each_switch_once(core, fleet, store,
+                                                                         monkeypatch):
+    real_step, fails = store.rollout_step, {"n": 0}
+
+    async def flaky_step(rid, expected, new, state_json, status, terminal, nodes, ev):
+        if '"n2"' in ev.detail or "n2:" in ev.detail:  # every write about n2 fails twice
+            if fails["n"] < 2:
+                fails["n"] += 1
+                raise Unavailable("redis unavailable: Connection closed by server.")
+        return await real_step(rid, expected, new, state_json, status, terminal, nodes, ev)
+    monkeypatch.setattr(store, "rollout_step", flaky_step)
+    monkeypatch.setattr("controller.rollouts.FOLLOW_POLL_S", 0.2)
+    v = await core.rollouts.create(spec())
+    st = await until_final(core, v.state.rollout_id, timeout=20)
+    assert st.status is RolloutStatus.DONE and fails["n"] == 2
+    assert [n for n, _ in fleet.executed] == ["n1", "n2", "n3"]
 
 
 async def test_a_wave_that_would_break_the_floor_now_pauses(core, fleet, store):
