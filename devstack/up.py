@@ -37,7 +37,7 @@ from remp.auth import ENV_ALLOW_UNAUTHENTICATED, ENV_FILE, ENV_TOKEN, Credential
 from remp.errors import ConfigError
 from remp.backoff import RestartBudget
 from remp.cliargs import remove_secret_flags
-from remp.redisproc import RedisServer, die_with_parent, redact_url
+from remp.redisproc import RedisHA, RedisSentinel, RedisServer, die_with_parent, redact_url
 from node_agent.config import detect_device_type
 
 DEFAULT_PORTS = {"controller": 50051, "controller_metrics": 9151, "agent_grpc": 50061,
@@ -74,6 +74,10 @@ def add_parser(sub) -> None:
     p.add_argument("--mode", default="advisory", choices=["advisory", "auto", "off"])
     p.add_argument("--no-agent", dest="agent", action="store_false",
                    help="only the control plane: Redis, controller, policy, dashboard")
+    p.add_argument("--ha", action="store_true",
+                   help="Redis with a replica and three sentinels (Redis Sentinel, shipped with "
+                   "Redis): kill -9 of the primary fails over to the replica; the controller "
+                   "acknowledges a switch's writes only once the replica has them (WAIT)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one child per 10 minutes before the whole stack stops "
                    "(0: stop at the first death)")
@@ -373,7 +377,7 @@ class Child(Supervised):
 
 @dataclass
 class RedisChild(Supervised):
-    server: RedisServer | None = None
+    server: RedisServer | RedisSentinel | None = None
 
     def alive(self) -> bool:
         return self.server.alive()
@@ -395,7 +399,7 @@ class RedisChild(Supervised):
 
     @property
     def log_name(self) -> str:
-        return "redis's log"
+        return f"{self.name}'s log"
 
 
 class Stop(Exception):
@@ -407,7 +411,8 @@ class Stack:
         self.a = a
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
-        self.redis_child: RedisChild | None = None
+        self.redis_ha: RedisHA | None = None
+        self.redis_children: list[RedisChild] = []
         self.stopping = False
         self.ready = False
         self.addresses: dict[str, str] = {}
@@ -458,9 +463,9 @@ class Stack:
             if not c.alive():
                 raise RuntimeError(f"{c.name} {_exit_text(c.returncode)}; last lines of "
                                    f"{c.log_path}:\n{c.tail()}")
-        if self.redis_child is not None and not self.redis_child.alive():
-            raise RuntimeError(f"redis {_exit_text(self.redis_child.returncode)}:\n"
-                               f"{self.redis_child.tail()}")
+        for rc in self.redis_children:
+            if not rc.alive():
+                raise RuntimeError(f"{rc.name} {_exit_text(rc.returncode)}:\n{rc.tail()}")
 
     @staticmethod
     def grpc_ready(addr: str, service: str, timeout: float = 1.0) -> bool:
@@ -522,13 +527,27 @@ class Stack:
 
         profile = a.profile or str(Path(policy.__file__).parent / "profiles" / "tiny-cpu-2core.json")
         redis_url = os.environ.get("REMP_REDIS_URL")
-        if not redis_url:
+        ctl_env: dict[str, str] = {}
+        if not redis_url and a.ha:
+            self.redis_ha = RedisHA(persist=True)
+            self.redis_ha.start(preexec_fn=die_with_parent)
+            self.redis_children = [
+                RedisChild(f"redis {role}", budget=self.budget(), server=srv) for role, srv in (
+                    ("primary", self.redis_ha.primary), ("replica", self.redis_ha.replicas[0]),
+                    *((f"sentinel {i + 1}", s) for i, s in enumerate(self.redis_ha.sentinels)))]
+            redis_url = self.redis_ha.url
+            ctl_env["REMP_CONTROLLER_REDIS_WAIT_REPLICAS"] = "1"
+            self.say(f"redis      {self.redis_ha.redacted_url} (Sentinel: primary "
+                     f"127.0.0.1:{self.redis_ha.primary.port}, replica "
+                     f"127.0.0.1:{self.redis_ha.replicas[0].port}, three sentinels; random "
+                     "password; a crashed one is restarted and rejoins as a replica)")
+        elif not redis_url:
             port = _free_port()
             while port in ports.values():  # --free-ports chose those without binding them
                 port = _free_port()
             self.redis = RedisServer(port, generate_password=True, persist=True)
             self.redis.start(preexec_fn=die_with_parent)
-            self.redis_child = RedisChild("redis", budget=self.budget(), server=self.redis)
+            self.redis_children = [RedisChild("redis", budget=self.budget(), server=self.redis)]
             redis_url = self.redis.url
             self.say(f"redis      {self.redis.redacted_url} (private: 127.0.0.1 only, random "
                      "password; nothing kept after stop; set REMP_REDIS_URL to use yours)")
@@ -538,7 +557,7 @@ class Stack:
         ctl = self.spawn("controller", [
             "controller", "--host", "127.0.0.1", "--port", str(ports["controller"]),
             "--metrics-port", str(ports["controller_metrics"])],
-            {"REMP_CONTROLLER_REDIS_URL": redis_url},
+            {"REMP_CONTROLLER_REDIS_URL": redis_url, **ctl_env},
             probe=lambda: self.grpc_ready(ctl_addr, "remp.controller.v1.Controller"))
         self.wait_ready(ctl, 60)
         self.addresses.update(controller=ctl_addr,
@@ -631,7 +650,7 @@ class Stack:
 
     # ------------------------------------------------------------------ supervision
     def supervised(self) -> list[Supervised]:
-        return ([self.redis_child] if self.redis_child else []) + list(self.children)
+        return list(self.redis_children) + list(self.children)
 
     def supervise_once(self, now: float | None = None) -> None:
         """One look at every child: notice deaths, restart when due, report recoveries."""
@@ -656,8 +675,8 @@ class Stack:
                                        "stack") from None
                 s.recovering = True
                 self.say(f"restarted {s.name} (pid {s.pid}"
-                         + (f", same port {self.redis.port} and password" if s is self.redis_child
-                            else "") + ")")
+                         + (f", same port {s.server.port} and password"
+                            if isinstance(s, RedisChild) else "") + ")")
             elif s.recovering:
                 if not s.alive():
                     s.recovering = False
@@ -705,6 +724,9 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.say("stopped redis")
+        if self.redis_ha is not None:
+            self.redis_ha.stop()
+            self.say("stopped redis (primary, replica, sentinels)")
         return killed
 
 

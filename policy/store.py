@@ -12,6 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from remp import redisconn
 from remp.redisproc import redact_url
 from remp.errors import Unavailable
 
@@ -19,8 +20,10 @@ from remp.errors import Unavailable
 class RedisDecisionStore:
     def __init__(self, url: str, prefix: str = "remp:policy:", timeout: float = 2.0):
         self.url, self.p = url, prefix
-        self.r = aioredis.from_url(url, decode_responses=True, socket_timeout=timeout,
-                                   socket_connect_timeout=timeout)
+        # one server, or redis+sentinel://… (follows the primary across a failover)
+        self.r = redisconn.client(url, max_connections=8, timeout=timeout,
+                                  decode_responses=True, socket_timeout=timeout,
+                                  socket_connect_timeout=timeout)
 
     @property
     def k_decisions(self) -> str:

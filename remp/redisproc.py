@@ -235,7 +235,10 @@ class RedisSentinel:
         return path
 
     def start(self, timeout: float = 20, preexec_fn=None) -> "RedisSentinel":
-        cmd = [redis_server_binary(), str(self._write_config()), "--sentinel"]
+        return self._spawn(self._write_config(), timeout, preexec_fn)
+
+    def _spawn(self, conf: Path, timeout: float, preexec_fn) -> "RedisSentinel":
+        cmd = [redis_server_binary(), str(conf), "--sentinel"]
         kw = {"preexec_fn": preexec_fn} if preexec_fn else {"start_new_session": True}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, **kw)
@@ -253,6 +256,20 @@ class RedisSentinel:
             shutil.rmtree(probe._dir, ignore_errors=True)
         self.stop()
         raise TimeoutError(f"sentinel did not answer on port {self.port}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, timeout: float = 20, preexec_fn=None) -> "RedisSentinel":
+        """After a crash: same port and directory; the configuration as Sentinel last
+        rewrote it (what it had learnt of the group), else written anew."""
+        if self.alive():
+            self.proc.terminate()
+            self.proc.wait(10)
+        conf = Path(self._dir) / "sentinel.conf"
+        if conf.is_file():
+            return self._spawn(conf, timeout, preexec_fn)
+        return self.start(timeout, preexec_fn)
 
     def log_tail(self) -> str:
         try:
