@@ -499,3 +499,43 @@ def test_a_restarted_controller_gives_every_node_a_lease_before_calling_it_lost(
                     assert time.monotonic() < deadline, "the node was never declared lost"
                     time.sleep(0.2)
                     st = s.GetState(controller_pb2.GetStateRequest(node="g1"), timeout=5)
+
+
+def test_rollout_errors_answer_their_status_and_labels_are_registered(stub):
+    """docs/rollout.md §2: invalid input INVALID_ARGUMENT, unknown node / no label match
+    NOT_FOUND, a floor no order keeps FAILED_PRECONDITION; labels kept and shown."""
+    r = reg("ro-int")
+    r.labels["fleet"] = "int"
+    stub.RegisterNode(r, timeout=5)
+    st = stub.GetState(controller_pb2.GetStateRequest(node="ro-int"), timeout=5)
+    assert dict(st.labels) == {"fleet": "int"} and not st.rollout_id
+    bad = reg("ro-bad")
+    bad.labels["fleet"] = "has space"
+    assert code_of(stub.RegisterNode, bad, timeout=5)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+    def rollout(**kw):
+        base = dict(target=types_pb2.Topology(tp=1, pp=2), capacity_floor=0.5,
+                    capacity_rps={"TP2PP1": 9.0, "TP1PP2": 10.0}, dry_run=True)
+        base.update(kw)
+        return code_of(stub.Rollout, controller_pb2.RolloutRequest(**base), timeout=5)
+    for kw in (dict(), dict(nodes=["ro-int"], labels={"fleet": "int"}),
+               dict(nodes=["ro-int"], capacity_rps={}), dict(nodes=["ro-int"], capacity_floor=2),
+               dict(nodes=["ro-int"], target=types_pb2.Topology()),
+               dict(labels={"fleet": "a b"})):
+        code, msg = rollout(**kw)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (kw, code, msg)
+    code, msg = rollout(nodes=["ro-nobody"])
+    assert code == grpc.StatusCode.NOT_FOUND and "ro-nobody" in msg
+    code, msg = rollout(labels={"fleet": "none"})
+    assert code == grpc.StatusCode.NOT_FOUND and "fleet=none" in msg
+    stub.RegisterNode(r, timeout=5)  # a fresh lease (1 s here): READY for the next call
+    code, msg = rollout(nodes=["ro-int"], capacity_floor=1.0)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "ro-int" in msg, msg
+    for method, req in (("GetRollout", controller_pb2.GetRolloutRequest(rollout_id="ro-none")),
+                        ("ControlRollout", controller_pb2.ControlRolloutRequest(
+                            rollout_id="ro-none", action=controller_pb2.ROLLOUT_ACTION_PAUSE))):
+        assert code_of(getattr(stub, method), req, timeout=5)[0] == grpc.StatusCode.NOT_FOUND
+    code, _ = code_of(stub.ControlRollout, controller_pb2.ControlRolloutRequest(
+        rollout_id="ro-none"), timeout=5)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # no action
+    assert not stub.ListRollouts(controller_pb2.ListRolloutsRequest(), timeout=5).rollouts

@@ -390,3 +390,14 @@ def test_rollout_requests_are_bounded():
                 controller_pb2.RegisterNodeRequest(labels={f"k{i}": "v" for i in range(65)})):
         with pytest.raises(InvalidArgument):
             validation.check(bad)
+
+
+def test_watch_filters_by_rollout_id():
+    from controller.watch import Fanout
+
+    f = Fanout(10)
+    mine, every = f.subscribe("", "", "0-0", rollout_id="ro-1"), f.subscribe("", "", "0-0")
+    f.publish([Event(id="1-0", rollout_id="ro-1", type=EventType.ROLLOUT_WAVE),
+               Event(id="2-0", rollout_id="ro-2"), Event(id="3-0", node="n1")])
+    assert [e.id for e in mine._items] == ["1-0"]
+    assert [e.id for e in every._items] == ["1-0", "2-0", "3-0"]
