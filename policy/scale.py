@@ -79,10 +79,10 @@ class ScaleConfig:
     # next window(s), under the forecast scenarios mixed with the recent observed rates, stays
     # within loss_budget; "band": headroom x the band's upper edge (the older rule)
     sizing: str = "risk"
-    loss_budget: float = 0.01  # expected share of fixed-best's in-SLO requests a choice may lose
+    loss_budget: float = 0.0095  # expected share of fixed-best's in-SLO requests a choice may lose
     recent_windows: int = 3  # the observed rates of the last max(this many windows, recent_s) ...
     recent_s: float = 600.0  # ... are scenarios too ...
-    recent_weight: float = 0.7  # ... with this total weight
+    recent_weight: float = 0.6  # ... with this total weight
     peak_s: float = 3600.0  # the recent peak (for the bet below) is the highest rate of this span
     budget_share: float = 0.5  # of the day's SLO error budget ((1 - bar) x fixed-best's in-SLO requests
     #                            over the last 24 h) a choice may risk in one window at the recent peak
@@ -400,10 +400,13 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         """Requests ``t`` loses against fixed-best in one window at the recent peak."""
         return max(gb_peak - float(table.scorer.goodput_rps(t, peak)), 0.0) * W
 
+    def qualifies(t: Topology, loss: dict) -> bool:
+        return (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps
+                and bet(t) <= cfg.budget_share * error_budget)
+
     def cheapest(loss: dict) -> Topology:
         for t in table.order:
-            if (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps
-                    and bet(t) <= cfg.budget_share * error_budget):
+            if qualifies(t, loss):
                 return t
         return max(table.order, key=lambda t: table.slo_cap[t])
 
@@ -426,7 +429,13 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
                    0.0, "gpu-hours", 1, n_now)
     if cfg.step_down:
         step = max(t.world_size for t in table.order if t.world_size < cur.world_size)
-        tgt = next(t for t in table.order if t.world_size == step)  # the highest-capacity one of that size
+        # the highest-capacity one of that size that itself qualifies (a higher SLO capacity does
+        # not always mean a lower expected loss past it)
+        fits = [t for t in table.order if t.world_size == step and qualifies(t, now)]
+        if not fits:
+            return out(cur, "stay", f"{tgt} may fit, but no {step}-GPU topology is within the loss budget "
+                       f"{eps:.2%}", 0.0, "gpu-hours", 1, n_now)
+        tgt = fits[0]
     tcap = table.slo_cap[tgt]
     # expected run: windows until the forecast mean leaves the target's SLO capacity
     covered = np.asarray(band.mean[:hz_n]) <= tcap
