@@ -330,6 +330,7 @@ class RedisHA:
             for s in self.sentinels:
                 s.start(timeout, preexec_fn)
             self.wait_synced(timeout)
+            self.wait_watched(timeout)
         except BaseException:
             self.stop()
             raise
@@ -350,6 +351,24 @@ class RedisHA:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"replica on {rep.port} did not sync")
                 time.sleep(0.05)
+
+    def wait_watched(self, timeout: float = 30) -> None:
+        """Until every sentinel sees the primary up and knows the other sentinels (before
+        that a Sentinel client may find no primary, and a failover no quorum)."""
+        import redis  # noqa: PLC0415
+
+        deadline = time.monotonic() + timeout
+        for s in self.sentinels:
+            with redis.Redis(port=s.port, password=self.password, socket_timeout=2,
+                             decode_responses=True) as r:
+                while True:
+                    m = r.execute_command("SENTINEL", "master", self.service)
+                    if (m.get("flags") == "master"
+                            and int(m.get("num-other-sentinels", 0)) >= len(self.sentinels) - 1):
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"sentinel on {s.port} does not watch the primary")
+                    time.sleep(0.05)
 
     def primary_port(self) -> int | None:
         """The port the sentinels name as the primary now (None if none answers)."""
