@@ -27,6 +27,15 @@ class ControllerSettings(BaseSettings):
                                      "rollout's writes only once this many replicas have them "
                                      "(WAIT; 1 with Sentinel: a failover loses none of them)")
     redis_wait_ms: int = Field(1000, ge=1, le=60_000, description="how long WAIT waits")
+    # controller high availability (controller.leader)
+    leader_lease_seconds: float | None = Field(
+        None, gt=0.2, le=60, description="run several controllers on one Redis: one leads "
+        "through a lease of this many seconds (3 is a good value; handover after a leader's "
+        "death ≤ the lease + 0.25 s); the others serve reads and Watch and refuse writes with "
+        "the leader's address. Unset: this controller always leads (run exactly one)")
+    advertise_address: str | None = Field(
+        None, max_length=256, description="host:port clients reach this controller at (what "
+        "followers name as the leader's address); default host:port")
     redis_prefix: str = "remp:"
     credentials_file: Path | None = Field(None, description="who may call what (remp.auth); "
                                           "default $REMP_CREDENTIALS_FILE / $REMP_TOKEN_<ROLE>")

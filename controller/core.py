@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from controller.config import ControllerSettings
 from controller.convert import from_json, to_json
+from controller.leader import Solo
 from controller.model import (AbortResult, EngineInfo, Error, Event, EventType, Heartbeat,
                               HostFacts, ModelFacts, NodeHealth, NodeState, ReconfigureResult,
                               Recovery, RecoveryDecision, Registration, SwitchOrder,
@@ -106,6 +107,9 @@ class Controller:
 
         self.recovery = RecoveryCoordinator(self)
         self.rollouts = Rollouts(self)
+        # controller HA (controller.leader): who may write and drive; one controller: always
+        self.leadership = Solo()
+        self._hub_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def spawn(self, coro) -> asyncio.Task:
@@ -114,8 +118,17 @@ class Controller:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def start(self) -> None:
-        """Recover unfinished switches, start the lease sweeper, resume active rollouts."""
+    async def start(self, lead: bool = True) -> None:
+        """The event reader (Watch streams; every controller serves them), and, when this
+        controller leads (``lead``; with controller HA the lease loop calls :meth:`lead`
+        instead), the leader's work."""
+        self._hub_task = asyncio.create_task(self.hub.run())
+        if lead:
+            await self.lead()
+
+    async def lead(self) -> None:
+        """Taking over: recover unfinished switches (each finished or rolled back from its
+        agent's truth, never run twice), start the lease sweeper, resume active rollouts."""
         for sid in await self.store.unfinished():
             row = await self.store.switch(sid)
             if row is not None:
@@ -123,10 +136,21 @@ class Controller:
                          dispatched=row.dispatched)
                 self.spawn(self._reconcile_forever(row))
         self.spawn(self._sweep_leases())
-        self.spawn(self.hub.run())
         await self.rollouts.resume_all()
 
+    async def step_down(self) -> None:
+        """No longer the leader: every driver stops (the agents finish their switches alone;
+        the next leader reconciles them and resumes the rollouts)."""
+        await self._cancel_tasks()
+        self.rollouts.forget_drivers()
+
     async def stop(self) -> None:
+        await self._cancel_tasks()
+        if self._hub_task is not None:
+            self._hub_task.cancel()
+            await asyncio.gather(self._hub_task, return_exceptions=True)
+
+    async def _cancel_tasks(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -246,6 +270,7 @@ class Controller:
     # ------------------------------------------------------------------ switching
     async def reconfigure(self, name: str, target: Topology, request_id: str,
                           reason: str) -> ReconfigureResult:
+        self.leadership.require()
         tl = {"rpc_in": time.perf_counter()}  # this switch's timeline (logged when it finishes)
         for _ in range(3):
             resp = await self._reconfigure(name, target, request_id, reason, tl)
@@ -473,6 +498,7 @@ class Controller:
         return True
 
     async def abort(self, switch_id: str, reason: str) -> AbortResult:
+        self.leadership.require()
         if not switch_id:
             raise InvalidArgument("switch_id is required")
         row = await self.store.switch(switch_id)
@@ -530,6 +556,7 @@ class Controller:
 
     async def record_recommendation(self, name: str, recommended: Topology,
                                     reason: str, decision_id: str) -> None:
+        self.leadership.require()
         _, reg = await self._node(name)
         _check_topology_fields(recommended)
         text = f"{topo_str(recommended)}: {reason}" if reason else topo_str(recommended)
@@ -541,6 +568,7 @@ class Controller:
     # ------------------------------------------------------------------ recovery
     async def drain(self, name: str, target: str, slo_s: float, reason: str
                     ) -> list[RecoveryDecision]:
+        self.leadership.require()
         return await self.recovery.drain(name, target, slo_s, reason)
 
     async def list_recoveries(self, node: str) -> list[Recovery]:

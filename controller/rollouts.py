@@ -160,9 +160,15 @@ class Rollouts:
         self._locks: dict[str, asyncio.Lock] = {}
         self._following: set[tuple[str, str]] = set()
 
+    def forget_drivers(self) -> None:
+        """After a step-down (the driver tasks are cancelled): nothing is followed here."""
+        self._following.clear()
+
     # ------------------------------------------------------------------ the API
     async def create(self, spec: RolloutSpec) -> RolloutView:
         check_spec(spec)
+        if not spec.dry_run:
+            self.ctl.leadership.require()
         if spec.request_id and not spec.dry_run:
             prev = await self.store.rollout_for_request(spec.request_id)
             if prev:
@@ -221,6 +227,7 @@ class Rollouts:
         return out[:limit]
 
     async def control(self, rollout_id: str, action: int, reason: str) -> RolloutView:
+        self.ctl.leadership.require()
         if not rollout_id:
             raise InvalidArgument("rollout_id is required")
         if action == Action.PAUSE:

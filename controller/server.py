@@ -73,7 +73,7 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
         except (NotImplementedError, RuntimeError):
             pass
     await server.start()
-    monitor = None
+    monitor = lease_task = None
     try:
         # health stays NOT_SERVING until Redis answers (unfinished switches are recovered
         # from it before anything else)
@@ -88,7 +88,11 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
                 return 0
             except asyncio.TimeoutError:
                 pass
-        await core.start()
+        if s.leader_lease_seconds:
+            lease_task = asyncio.create_task(_lead_when_elected(s, url, core, port))
+            await core.start(lead=False)
+        else:
+            await core.start()
         redis_ok = await pinger.ping()
         await set_serving(health, [SERVICE_NAME], redis_ok)
         m.redis_up.set(1 if redis_ok else 0)
@@ -106,6 +110,10 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
         if monitor is not None:
             monitor.cancel()
             await down.step("redis_monitor", asyncio.gather(monitor, return_exceptions=True))
+        if lease_task is not None:  # drivers stopped, then the lease resigned: a follower
+            await down.step("step_down", core.step_down())  # takes over at once
+            lease_task.cancel()
+            await down.step("leader_lease", asyncio.gather(lease_task, return_exceptions=True))
         await down.step("health", set_serving(health, [SERVICE_NAME], False))
         await down.step("grpc_server", server.stop(grace=2))
         await down.step("core", core.stop())
@@ -118,6 +126,37 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
             down.sync("metrics", msrv.stop)
         log.info("controller.stopped")
     return 0
+
+
+async def _lead_when_elected(s: ControllerSettings, url: str, core: Controller,
+                             port: int) -> None:
+    """Controller HA: the lease loop (its own Redis connections); the core's drivers run while
+    this controller leads."""
+    import os
+    import socket
+    import uuid
+
+    from controller.leader import LeaderLease
+    from remp import redisconn
+
+    address = s.advertise_address or f"{s.host}:{port}"
+    ident = f"{socket.gethostname()[:64]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    r = redisconn.client(url, max_connections=2, timeout=2.0, decode_responses=True,
+                         socket_timeout=max(0.2, s.leader_lease_seconds / 3),
+                         socket_connect_timeout=max(0.2, s.leader_lease_seconds / 3))
+    lease = LeaderLease(r, s.redis_prefix, ident, address, lease_s=s.leader_lease_seconds)
+    core.leadership = lease
+
+    async def elected() -> None:
+        try:
+            await core.lead()
+        except Exception as exc:  # noqa: BLE001 - keep leading; the drivers retry on their own
+            log.error("controller.lead_failed", error=f"{type(exc).__name__}: {exc}")
+
+    try:
+        await lease.run(elected, core.step_down)
+    finally:
+        await r.aclose()
 
 
 async def _watch_redis(pinger: Store, health, period: float, ok: bool, m) -> None:

@@ -36,6 +36,16 @@ class Unavailable(RempError):
     retryable = True
 
 
+class NotLeader(Unavailable):
+    """A write sent to a controller that does not lead (controller HA): retry at the leader,
+    whose address the message and the ``remp-leader`` trailing metadata carry."""
+
+    def __init__(self, leader: str = ""):
+        super().__init__(f"not the leader; leader at {leader}" if leader else
+                         "not the leader; no leader elected yet, retry shortly")
+        self.leader = leader
+
+
 class Unauthenticated(RempError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

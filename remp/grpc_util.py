@@ -112,9 +112,17 @@ def rpc_errors(fn: Callable) -> Callable:
         except grpc.aio.AbortError:
             raise
         except RempError as exc:
+            _leader_metadata(context, exc)
             await context.abort(status_for(exc), str(exc))
 
     return unary
+
+
+def _leader_metadata(context, exc: Exception) -> None:
+    """A NotLeader answer names the leader in trailing metadata ``remp-leader`` as well."""
+    leader = getattr(exc, "leader", "")
+    if leader:
+        context.set_trailing_metadata((("remp-leader", leader),))
 
 
 def rpc_errors_stream(fn: Callable) -> Callable:

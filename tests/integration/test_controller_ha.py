@@ -1,0 +1,121 @@
+"""Controller high availability (issue 17): the leader lease (controller/leader.py) against a
+real Redis, and two real controller processes on one Redis — one leads, the other serves reads
+and refuses writes with the leader's address (UNAVAILABLE + ``remp-leader``); kill -9 of the
+leader hands over within the lease. (Switches in flight across a handover, with a real agent:
+tests/e2e/test_controller_ha_e2e.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from controller.leader import LeaderLease
+from devstack.agentproc import ControllerProcess
+from remp.common.v1 import types_pb2
+from remp.controller.v1 import controller_pb2
+from remp.errors import NotLeader
+from remp.redisproc import RedisServer
+from tests.integration.test_controller import reg
+
+LEASE_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as r:
+        yield r
+
+
+def test_lease_elects_one_hands_over_after_expiry_and_a_deposed_leader_steps_down(
+        redis_server):
+    async def go():
+        r = aioredis.from_url(redis_server.url, decode_responses=True)
+        prefix = "t-lease:"
+        a = LeaderLease(r, prefix, "a", "10.0.0.1:50051", lease_s=LEASE_S, poll_s=0.05)
+        b = LeaderLease(r, prefix, "b", "10.0.0.2:50051", lease_s=LEASE_S, poll_s=0.05)
+        events = []
+
+        def cb(who, what):
+            async def f():
+                events.append((who, what, time.monotonic()))
+            return f
+        assert await a.try_acquire() and a.term >= 1  # a leads (and then "dies": no renews)
+        tb = asyncio.create_task(b.run(cb("b", "up"), cb("b", "down")))
+        await asyncio.sleep(0.3)
+        assert not b.is_leader and b.leader_address == "10.0.0.1:50051"
+        with pytest.raises(NotLeader) as e:
+            b.require()
+        assert e.value.leader == "10.0.0.1:50051" and "leader at 10.0.0.1:50051" in str(e.value)
+        t0 = time.monotonic()
+        while not b.is_leader:
+            assert time.monotonic() - t0 < LEASE_S + 1.0
+            await asyncio.sleep(0.02)
+        assert b.term == a.term + 1 and events[0][:2] == ("b", "up")
+        # a comes back (a long pause) and finds itself deposed: its renew fails
+        assert not await a.renew()
+        # b loses the key (say an operator deleted it): b steps down at its next renew
+        await r.delete(f"{prefix}leader")
+        await a.try_acquire()
+        t1 = time.monotonic()
+        while b.is_leader:
+            assert time.monotonic() - t1 < LEASE_S
+            await asyncio.sleep(0.02)
+        assert events[-1][:2] == ("b", "down")
+        await asyncio.sleep(0.2)  # b follows again, and names the new leader
+        assert not b.is_leader and b.leader_address == "10.0.0.1:50051"
+        tb.cancel()
+        await asyncio.gather(tb, return_exceptions=True)
+        await r.aclose()
+    asyncio.run(go())
+
+
+def _leader(ctls) -> ControllerProcess | None:
+    for c in ctls:
+        with grpc.insecure_channel(c.addr) as ch:
+            try:
+                c.stub(ch).Reconfigure(controller_pb2.ReconfigureRequest(
+                    node="ha-n1", target=types_pb2.Topology(tp=2, pp=1)), timeout=5)
+                return c
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    return c  # answered by a leader (NOT_FOUND, FAILED_PRECONDITION, ...)
+    return None
+
+
+def test_two_controllers_one_leads_the_other_refuses_writes_and_takes_over(
+        redis_server, artifacts_dir):
+    env = {"REMP_CONTROLLER_LEADER_LEASE_SECONDS": str(LEASE_S)}
+    a = ControllerProcess(redis_server.url, log_dir=artifacts_dir, name="ctl-ha-a",
+                          lease_seconds=30, env=env)
+    b = ControllerProcess(redis_server.url, log_dir=artifacts_dir, name="ctl-ha-b",
+                          lease_seconds=30, env=env)
+    with a, b:
+        deadline = time.monotonic() + 10
+        while (lead := _leader([a, b])) is None:
+            assert time.monotonic() < deadline, "no leader"
+            time.sleep(0.1)
+        follow = b if lead is a else a
+        with grpc.insecure_channel(follow.addr) as ch:
+            stub = follow.stub(ch)
+            # registration and reads work on any controller
+            stub.RegisterNode(reg("ha-n1"), timeout=5)
+            assert [n.node for n in stub.ListNodes(
+                controller_pb2.ListNodesRequest(), timeout=5).nodes] == ["ha-n1"]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Reconfigure(controller_pb2.ReconfigureRequest(
+                    node="ha-n1", target=types_pb2.Topology(tp=1, pp=2)), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"leader at {lead.addr}" in e.value.details()
+            assert dict(e.value.trailing_metadata())["remp-leader"] == lead.addr
+        lead.kill()  # kill -9
+        t0 = time.monotonic()
+        while _leader([follow]) is None:
+            assert time.monotonic() - t0 < LEASE_S + 3.5, "no handover"
+            time.sleep(0.05)
+        handover = time.monotonic() - t0
+        print(f"controller handover after kill -9: {handover:.2f} s (lease {LEASE_S} s)")
+        assert handover <= 5.0
