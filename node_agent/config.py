@@ -109,7 +109,9 @@ class AgentSettings(BaseSettings):
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(
         None, description="require client certificates signed by this CA (mutual TLS)")
-    controller: str | None = Field(None, description="controller host:port to register with")
+    controller: str | None = Field(None, max_length=2048, description=(
+        "controller host:port to register with; several, comma-separated, for controller HA "
+        "(the agent moves to the next when one stops answering)"))
     labels: dict[str, str] = Field(default_factory=dict, description=(
         "operator labels sent with the registration (a rollout's label selector matches "
         "them): remp agent --label k=v (repeatable), or JSON in REMP_AGENT_LABELS"))
@@ -160,6 +162,20 @@ class AgentSettings(BaseSettings):
             return labels("labels", v)
         except InvalidArgument as exc:
             raise ValueError(str(exc)) from None
+
+    @field_validator("controller")
+    @classmethod
+    def _controllers(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        addrs = [a.strip() for a in v.split(",") if a.strip()]
+        if not 1 <= len(addrs) <= 16:
+            raise ValueError("controller: 1 to 16 host:port addresses, comma-separated")
+        for a in addrs:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(a) > 255:
+                raise ValueError(f"controller address {a[:64]!r} is not host:port")
+        return ",".join(addrs)
 
     @field_validator("migration_peers", mode="before")
     @classmethod

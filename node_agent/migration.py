@@ -186,14 +186,19 @@ async def resolve_target(agent, request: pb.MigrateRequestRequest) -> tuple[str,
             f"target {addr or node!r} is not one of this agent's migration peers and the agent "
             "has no controller to ask whether it is a registered node (set --migration-peers "
             "or --controller)")
-    try:
-        async with aio_channel(s.controller, agent.cfg.credentials.only(Role.AGENT),
-                               options=channel_options()) as ch:
-            resp = await controller_pb2_grpc.ControllerStub(ch).ListNodes(
-                controller_pb2.ListNodesRequest(), timeout=5)
-    except grpc.aio.AioRpcError as exc:
+    resp, code = None, ""
+    for ctl in s.controller.split(","):  # any controller answers reads (controller HA)
+        try:
+            async with aio_channel(ctl, agent.cfg.credentials.only(Role.AGENT),
+                                   options=channel_options()) as ch:
+                resp = await controller_pb2_grpc.ControllerStub(ch).ListNodes(
+                    controller_pb2.ListNodesRequest(), timeout=5)
+            break
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+    if resp is None:
         raise Unavailable(f"cannot ask the controller {s.controller} whether the target is a "
-                          f"registered node ({exc.code().name}); the request stays here") from None
+                          f"registered node ({code}); the request stays here")
     return match_target(((n.node, n.agent_address) for n in resp.nodes), node, addr, s.node)
 
 

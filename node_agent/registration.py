@@ -16,8 +16,8 @@ from remp import logs
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
 from remp.auth import Credentials, aio_channel
-from remp.errors import (InvalidArgument, NotFound, Unauthenticated, Unavailable,
-                         error_from_rpc)
+from remp.errors import (DeadlineExceeded, InvalidArgument, NotFound, Unauthenticated,
+                         Unavailable, error_from_rpc)
 from remp.grpc_util import channel_options
 from remp.transaction import Outcome
 
@@ -91,40 +91,53 @@ async def heartbeat_request(agent: "NodeAgent", window: TrafficWindow
 
 async def keep_registered(agent: "NodeAgent", controller: str, agent_address: str,
                           creds: Credentials) -> None:
+    """``controller``: one host:port, or several separated by commas (controller HA: every
+    controller takes registrations and heartbeats; the agent stays with the one that answers
+    and moves to the next when it stops answering)."""
     md = None  # the channel sends the agent's token (remp.auth)
     backoff = 0.5
     window = TrafficWindow()
-    async with aio_channel(controller, creds, options=channel_options()) as ch:
-        stub = controller_pb2_grpc.ControllerStub(ch)
-        registered, lease = False, 10.0
-        while True:
-            try:
-                if not registered:
-                    r = await stub.RegisterNode(register_request(agent, agent_address),
-                                                metadata=md, timeout=5)
-                    lease, registered, backoff = r.lease_seconds or lease, True, 0.5
-                    # our topology was written as the node's at this epoch
-                    agent.topology_epoch = max(agent.topology_epoch, r.epoch)
-                    log.info("agent.registered", controller=controller, lease_s=lease)
-                else:
-                    r = await stub.Heartbeat(await heartbeat_request(agent, window), metadata=md, timeout=5)
-                    lease = r.lease_seconds or lease
-                await asyncio.sleep(max(0.1, min(lease / 3, agent.cfg.settings.heartbeat_seconds
-                                                 or lease / 3)))
-            except grpc.aio.AioRpcError as exc:
-                err = error_from_rpc(exc)
-                if isinstance(err, NotFound):
-                    registered = False  # the controller forgot us (new Redis): register again
-                    continue
-                if isinstance(err, (Unauthenticated, InvalidArgument)):
-                    log.error("agent.registration_refused", code=err.code.name,
-                              detail=err.details)
-                    await asyncio.sleep(30)
-                    continue
-                log.warning("agent.controller_unreachable", controller=controller,
-                            code=err.code.name, retry_s=backoff)
-                registered = False if isinstance(err, Unavailable) else registered
-                await asyncio.sleep(backoff)
-                # never wait longer than a heartbeat interval: a controller restart must not
-                # cost this node its lease (it would be marked lost and its requests recovered)
-                backoff = min(backoff * 2, 10.0, max(0.5, lease / 3))
+    addresses = [a.strip() for a in controller.split(",") if a.strip()]
+    registered, lease, i = False, 10.0, 0
+    while True:
+        controller = addresses[i % len(addresses)]
+        async with aio_channel(controller, creds, options=channel_options()) as ch:
+            stub = controller_pb2_grpc.ControllerStub(ch)
+            registered = False  # a controller we were not talking to: register with it
+            while True:
+                try:
+                    if not registered:
+                        r = await stub.RegisterNode(register_request(agent, agent_address),
+                                                    metadata=md, timeout=5)
+                        lease, registered, backoff = r.lease_seconds or lease, True, 0.5
+                        # our topology was written as the node's at this epoch
+                        agent.topology_epoch = max(agent.topology_epoch, r.epoch)
+                        log.info("agent.registered", controller=controller, lease_s=lease)
+                    else:
+                        r = await stub.Heartbeat(await heartbeat_request(agent, window),
+                                                 metadata=md, timeout=5)
+                        lease = r.lease_seconds or lease
+                    await asyncio.sleep(max(0.1, min(
+                        lease / 3, agent.cfg.settings.heartbeat_seconds or lease / 3)))
+                except grpc.aio.AioRpcError as exc:
+                    err = error_from_rpc(exc)
+                    if isinstance(err, NotFound):
+                        registered = False  # the controller forgot us (new Redis): again
+                        continue
+                    if isinstance(err, (Unauthenticated, InvalidArgument)):
+                        log.error("agent.registration_refused", code=err.code.name,
+                                  detail=err.details)
+                        await asyncio.sleep(30)
+                        continue
+                    log.warning("agent.controller_unreachable", controller=controller,
+                                code=err.code.name, retry_s=backoff,
+                                next=addresses[(i + 1) % len(addresses)])
+                    registered = False if isinstance(err, Unavailable) else registered
+                    await asyncio.sleep(backoff)
+                    # never wait longer than a heartbeat interval: a controller restart must
+                    # not cost this node its lease (it would be marked lost and its requests
+                    # recovered)
+                    backoff = min(backoff * 2, 10.0, max(0.5, lease / 3))
+                    if len(addresses) > 1 and isinstance(err, (Unavailable, DeadlineExceeded)):
+                        i += 1  # the next controller
+                        break
