@@ -65,41 +65,69 @@ def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
 
 
 class GrpcController:
+    """``address``: one controller, or several comma-separated (controller HA). Reads go to
+    whichever answers; a write refused by a follower (NotLeader) is sent once more to the
+    leader it names, and the client stays with the leader after that."""
+
     def __init__(self, address: str, creds: Credentials | None = None, timeout: float = 10.0):
-        self.address, self.timeout = address, timeout
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.timeout, self._creds = timeout, creds
+        self._ch = self.stub = None
+        self._connect(self.addresses[0])
+
+    def _connect(self, address: str) -> None:
+        self.address = address
         # the channel sends the policy's token where the access table asks for one
-        self._ch = aio_channel(address, creds, options=channel_options())
+        old, self._ch = self._ch, aio_channel(address, self._creds, options=channel_options())
         self.stub = controller_pb2_grpc.ControllerStub(self._ch)
+        if old is not None:
+            self._closing = old  # closed at close(): a call may still be using it
 
     async def close(self) -> None:
         await self._ch.close()
+        old = getattr(self, "_closing", None)
+        if old is not None:
+            await old.close()
 
-    async def _call(self, method, req):
-        try:
-            return await method(req, timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise _typed(exc, self.address) from None
+    async def _call(self, name: str, req):
+        tried: set[str] = set()
+        while True:
+            try:
+                return await getattr(self.stub, name)(req, timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                tried.add(self.address)
+                leader = dict(exc.trailing_metadata() or ()).get("remp-leader", "")
+                # another controller, when this one is not the leader or not reachable (an
+                # UNAVAILABLE about an agent is the leader's answer, passed on as it is)
+                moved = exc.code() == grpc.StatusCode.UNAVAILABLE and any(
+                    t in (exc.details() or "").lower()
+                    for t in ("not the leader", "failed to connect"))
+                nxt = (leader if leader and leader not in tried else
+                       next((a for a in self.addresses if a not in tried), "") if moved else "")
+                if not nxt:
+                    raise _typed(exc, self.address) from None
+                self._connect(nxt)
 
     async def list_nodes(self) -> list[NodeView]:
-        r = await self._call(self.stub.ListNodes, controller_pb2.ListNodesRequest())
+        r = await self._call("ListNodes", controller_pb2.ListNodesRequest())
         return [node_view(st) for st in r.nodes]
 
     async def traffic(self, node: str, since_s: float | None, limit: int) -> list[Sample]:
         req = controller_pb2.GetTrafficRequest(node=node, limit=limit)
         if since_s is not None:
             req.since.FromNanoseconds(int(since_s * 1e9))
-        r = await self._call(self.stub.GetTraffic, req)
+        r = await self._call("GetTraffic", req)
         return [sample_of(t) for t in r.samples]
 
     async def reconfigure(self, node: str, target: Topology, request_id: str,
                           reason: str) -> ReconfigureResult:
-        r = await self._call(self.stub.Reconfigure, controller_pb2.ReconfigureRequest(
+        r = await self._call("Reconfigure", controller_pb2.ReconfigureRequest(
             node=node, target=topo_to_proto(target), request_id=request_id, reason=reason))
         return ReconfigureResult(r.switch_id, r.noop, r.duplicate)
 
     async def record_recommendation(self, node: str, recommended: Topology, reason: str,
                                     decision_id: str) -> None:
-        await self._call(self.stub.RecordRecommendation,
+        await self._call("RecordRecommendation",
                          controller_pb2.RecordRecommendationRequest(
                              node=node, recommended=topo_to_proto(recommended), reason=reason,
                              decision_id=decision_id))

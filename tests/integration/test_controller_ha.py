@@ -111,6 +111,23 @@ def test_two_controllers_one_leads_the_other_refuses_writes_and_takes_over(
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert f"leader at {lead.addr}" in e.value.details()
             assert dict(e.value.trailing_metadata())["remp-leader"] == lead.addr
+        # the policy's client: a follower's NotLeader sends the write on to the leader
+        async def policy_write(address: str):
+            from policy.controller_client import GrpcController
+            from remp.auth import Credentials, Role
+            from remp.errors import NotFound
+            from remp.topology import Topology
+
+            c = GrpcController(address, Credentials.load().only(Role.POLICY), timeout=5)
+            try:
+                with pytest.raises(NotFound):  # answered by the leader: no such node
+                    await c.reconfigure("no-such-node", Topology(1, 2), "rid-1", "test")
+                assert [n.name for n in await c.list_nodes()] == ["ha-n1"]
+                return c.address
+            finally:
+                await c.close()
+        assert asyncio.run(policy_write(follow.addr)) == lead.addr
+        assert asyncio.run(policy_write(f"{follow.addr},{lead.addr}")) == lead.addr
         lead.kill()  # kill -9
         t0 = time.monotonic()
         while _leader([follow]) is None:
