@@ -19,7 +19,11 @@ Fleet: ``--nodes`` hosts with the built-in profile ``h200x8-analytic`` (TP8PP1 9
 floor 0.8, at most 100 at once; and the same at floor 0.95, where the floor, not the
 maximum, sizes the waves.
 
-    python bench/rollout_plan.py [--nodes 1000] [--out bench/results/rollout_plan-DATE.json]
+* with ``--run``: the rollout itself through Redis, the driver and Controller.reconfigure
+  (agents simulated: every switch succeeds at once): wall time, versions written, the size of
+  the state each step rewrites.
+
+    python bench/rollout_plan.py [--nodes 1000] [--run] [--out bench/results/...json]
 """
 
 from __future__ import annotations
@@ -44,17 +48,20 @@ from controller.store import Store
 from ops.rollout_cli import capacity_table as profile_table
 from remp.redisproc import RedisServer
 from remp.topology import Topology
-from remp.transaction import Outcome
+from remp.transaction import Outcome, Phase
 
 PROFILE = "h200x8-analytic"
 CANDIDATES = (Topology(8, 1), Topology(4, 2), Topology(2, 4), Topology(1, 8))
 
 
 class SimAgents:
-    """The AgentPort of agents that are never asked anything during planning (a call counts)."""
+    """The AgentPort of simulated agents: planning asks them nothing (``calls`` counts); a
+    switch (``--run``) succeeds at once with a complete record."""
 
     def __init__(self):
         self.calls = 0
+        self.topology: dict[str, Topology] = {}
+        self.executed = 0
 
     async def check_serving(self, address: str, timeout: float = 2.0) -> None:
         self.calls += 1
@@ -65,8 +72,14 @@ class SimAgents:
 
     async def execute_switch(self, address: str, order: SwitchOrder):
         self.calls += 1
+        self.executed += 1
+        node = address.split(".", 1)[0]
+        src, now = self.topology.get(node), time.time_ns()
+        self.topology[node] = order.target
         yield SwitchProgress(switch_id=order.switch_id, record=SwitchRecord(
-            switch_id=order.switch_id, outcome=Outcome.SUCCEEDED))
+            switch_id=order.switch_id, node=node, from_topology=src, to_topology=order.target,
+            outcome=Outcome.SUCCEEDED, phase=Phase.SERVING_NEW, epoch=order.epoch,
+            started_at=now, finished_at=time.time_ns()))
 
     async def get_switch(self, address: str, switch_id: str) -> SwitchRecord | None:
         return None
@@ -152,6 +165,28 @@ async def run(a) -> dict:
             transitions += 2 * len(names)
         life_ms = (time.perf_counter() - t) * 1e3
         assert s.status.value == "done", s.status
+        planning_calls, run = agents.calls, None
+        if a.run:  # the rollout for real: Redis, the driver, Controller.reconfigure, sim agents
+            for n in nodes:
+                agents.topology[n.name] = n.topology
+            t = time.perf_counter()
+            v = await ctl.rollouts.create(RolloutSpec(
+                target=target, floor=a.floor, max_parallel=a.max_parallel, capacity=table,
+                labels={"fleet": "bench"}))
+            rid = v.state.rollout_id
+            while True:
+                row = await store.rollout(rid)
+                if row.status in ("done", "failed", "aborted", "paused"):
+                    break
+                await asyncio.sleep(0.05)
+            wall = time.perf_counter() - t
+            observed = {n.name: n.topology for n in rollout_nodes(
+                await store.nodes_fields(NODE_FIELDS))}
+            run = {"status": row.status, "wall_s": round(wall, 1), "versions": row.version,
+                   "ms_per_version": round(wall * 1e3 / max(1, row.version), 1),
+                   "switches_executed": agents.executed,
+                   "all_on_target": all(t == target for t in observed.values()),
+                   "state_json_bytes": len(row.state_json)}
         await ctl.stop()
         await store.close()
     return {
@@ -182,7 +217,8 @@ async def run(a) -> dict:
                         "required_capacity": round(tight.required_capacity, 2),
                         "lowest_capacity_during_a_wave": round(tight_lowest, 2)},
         "life_transitions": transitions, "life_ms": round(life_ms, 1),
-        "agent_calls_while_planning": agents.calls,
+        "agent_calls_while_planning": planning_calls,
+        "run": run,
     }
 
 
@@ -194,6 +230,8 @@ def main() -> int:
     ap.add_argument("--max-parallel", type=int, default=100)
     ap.add_argument("--tight-floor", type=float, default=0.95)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--run", action="store_true", help="also run the rollout through Redis "
+                    "and the driver with the simulated agents (slow: minutes at 1,000 nodes)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     result = asyncio.run(run(a))

@@ -159,6 +159,9 @@ class Rollouts:
         self.ctl, self.store = ctl, ctl.store
         self._locks: dict[str, asyncio.Lock] = {}
         self._following: set[tuple[str, str]] = set()
+        # the last state this process read or wrote, by rollout: (version, state, meta); used
+        # while Redis still holds that version (parsing the state is 13 ms at 1,000 nodes)
+        self._states: dict[str, tuple[int, RolloutState, RolloutMeta]] = {}
 
     def forget_drivers(self) -> None:
         """After a step-down (the driver tasks are cancelled): nothing is followed here."""
@@ -285,21 +288,36 @@ class Rollouts:
             raise NotFound(f"no rollout with id {rollout_id!r} (ListRollouts shows them)")
         return rollout_from_json(row.state_json)
 
+    async def _current(self, rollout_id: str) -> tuple[int, RolloutState, RolloutMeta]:
+        """The stored state: one HGET of its version when this process holds that version
+        already, else read and parsed."""
+        version = await self.store.rollout_version(rollout_id)
+        if version is None:
+            raise NotFound(f"no rollout with id {rollout_id!r} (ListRollouts shows them)")
+        held = self._states.get(rollout_id)
+        if held is not None and held[0] == version:
+            return held
+        row = await self.store.rollout(rollout_id)
+        if row is None:
+            raise NotFound(f"no rollout with id {rollout_id!r}")
+        st, meta = rollout_from_json(row.state_json)
+        self._states[rollout_id] = (row.version, st, meta)
+        return row.version, st, meta
+
     def _lock(self, rollout_id: str) -> asyncio.Lock:
         return self._locks.setdefault(rollout_id, asyncio.Lock())
 
-    async def _apply(self, rollout_id: str, fn: Callable[[RolloutState], Step | RolloutState],
-                     node: str = "", switch_id: str = "", detail: str = ""
+    async def _apply(self, rollout_id: str, fn: Callable[..., Step | RolloutState],
+                     node: str = "", switch_id: str = "", detail: str = "", prepare=None
                      ) -> tuple[Step, RolloutMeta]:
         """Read, apply the pure transition, write with compare-and-set on the version read;
-        on a lost race read again and re-apply (at most :data:`CAS_ATTEMPTS` times)."""
+        on a lost race read again and re-apply (at most :data:`CAS_ATTEMPTS` times).
+        ``prepare(state, meta)``, when given, is awaited on the state read (under the lock)
+        and its result passed to ``fn`` as a second argument."""
         async with self._lock(rollout_id):
             for _ in range(CAS_ATTEMPTS):
-                row = await self.store.rollout(rollout_id)
-                if row is None:
-                    raise NotFound(f"no rollout with id {rollout_id!r}")
-                st, meta = rollout_from_json(row.state_json)
-                out = fn(st)
+                version, st, meta = await self._current(rollout_id)
+                out = fn(st) if prepare is None else fn(st, await prepare(st, meta))
                 step = out if isinstance(out, Step) else Step(out)
                 new = step.state
                 if new.version == st.version:
@@ -315,8 +333,11 @@ class Rollouts:
                     text = f"{new.status}" + (f": {new.reason}" if new.reason else "")
                 ev = self._event(etype, rollout_id, node, switch_id, text)
                 if await self.store.rollout_step(
-                        rollout_id, row.version, new.version, rollout_to_json(new, meta),
+                        rollout_id, version, new.version, rollout_to_json(new, meta),
                         new.status, new.terminal, sorted(_set(new)), ev):
+                    self._states[rollout_id] = (new.version, new, meta)
+                    if new.terminal:
+                        self._states.pop(rollout_id, None)
                     log.info("controller.rollout_step", rollout_id=rollout_id,
                              status=new.status, wave=new.wave, version=new.version,
                              node=node, detail=text)
@@ -366,7 +387,7 @@ class Rollouts:
 
     async def _drive_node(self, rollout_id: str, node: str) -> None:
         """Start (or, after a restart, find again) the node's switch, then follow it."""
-        st, meta = await self._read(rollout_id)
+        _, st, meta = await self._current(rollout_id)
         if st.node(node).status is not NodeStatus.SWITCHING:
             return
         try:
@@ -424,7 +445,7 @@ class Rollouts:
         when the rollout no longer wants it (aborted, or the node is no longer switching). Its
         request id names the switch it replaces: a driver that re-follows ``not_received``
         after a restart gets this same switch back, never a second one."""
-        st, meta = await self._read(rollout_id)
+        _, st, meta = await self._current(rollout_id)
         if st.abort_requested or st.node(node).status is not NodeStatus.SWITCHING:
             return ""
         rid = f"{request_id(rollout_id, node)}:again:{not_received}"
@@ -474,10 +495,14 @@ class Rollouts:
 
     async def _finished(self, rollout_id: str, node: str, outcome: Outcome | None,
                         error: str, switch_id: str = "") -> None:
-        nodes = await self._nodes_now()
-        _, meta = await self._read(rollout_id)
+        async def nodes_if_a_wave_starts(s: RolloutState, meta: RolloutMeta):
+            # the nodes of now (one read of every node) only when this finish starts a wave
+            if switch_finished(s, node, outcome, error).start:
+                return await self._nodes_now(), meta
+            return None, meta
 
-        def fin(s: RolloutState) -> Step:
+        def fin(s: RolloutState, ctx) -> Step:
+            nodes, meta = ctx
             step = switch_finished(s, node, outcome, error)
             if step.start:  # the next wave would start now: with the health of now?
                 why = self._floor(s, step.state.wave, nodes, meta)
@@ -486,7 +511,8 @@ class Rollouts:
             return step
         step, _ = await self._apply(rollout_id, fin, node=node, switch_id=switch_id,
                                     detail=f"{node}: {outcome or 'not started'}"
-                                    + (f": {error}" if error else ""))
+                                    + (f": {error}" if error else ""),
+                                    prepare=nodes_if_a_wave_starts)
         self._act(rollout_id, step)
 
     async def _nodes_now(self) -> list[RolloutNode]:

@@ -530,6 +530,10 @@ class Store:
                           float(h.get("created", 0) or 0), h.get("capacity", "{}"),
                           h.get("description", ""))
 
+    async def rollout_version(self, rollout_id: str) -> int | None:
+        v = await self._call(self.r.hget(self.k_rollout(rollout_id), "version"))
+        return int(v) if v is not None else None
+
     async def rollout_for_request(self, request_id: str) -> str | None:
         return await self._call(self.r.get(self.k_rollout_req(request_id)))
 
