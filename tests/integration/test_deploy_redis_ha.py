@@ -221,6 +221,11 @@ def test_kubernetes_overlay_validates_strictly_and_wires_sentinel(tmp_path):
         assert names.index("REDIS_PASSWORD") < names.index(f"{prefix}_REDIS_URL")
     ctl = by[("Deployment", "remp-controller")]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "REMP_CONTROLLER_REDIS_WAIT_REPLICAS", "value": "1"} in ctl["env"]
+    dep = by[("Deployment", "remp-controller")]  # controller HA: two, one leads (a lease)
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"] == {"type": "RollingUpdate"}
+    names = [e["name"] for e in ctl["env"]]
+    assert {"name": "REMP_CONTROLLER_LEADER_LEASE_SECONDS", "value": "3"} in ctl["env"]
+    assert names.index("POD_IP") < names.index("REMP_CONTROLLER_ADVERTISE_ADDRESS")
     for sts in (redis_sts, sentinel):  # $(POD_NAME) is defined before it is used
         c = sts["spec"]["template"]["spec"]["containers"][0]
         names = [e["name"] for e in c["env"]]
