@@ -79,6 +79,24 @@ def die_with_parent() -> None:
         pass
 
 
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text()[-2000:]
+    except OSError:
+        return ""
+
+
+def _terminate(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s; reaped either way."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class RedisServer:
     """``with RedisServer() as r: r.url`` — a private server on a free loopback port."""
 
@@ -172,19 +190,10 @@ class RedisServer:
         return self.start(timeout, preexec_fn)
 
     def log_tail(self) -> str:
-        try:
-            return (Path(self._dir) / "redis.log").read_text()[-2000:]
-        except OSError:
-            return ""
+        return _tail(Path(self._dir) / "redis.log")
 
     def _terminate(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _terminate(self.proc)
 
     def stop(self) -> None:
         self._terminate()
@@ -263,28 +272,17 @@ class RedisSentinel:
     def restart(self, timeout: float = 20, preexec_fn=None) -> "RedisSentinel":
         """After a crash: same port and directory; the configuration as Sentinel last
         rewrote it (what it had learnt of the group), else written anew."""
-        if self.alive():
-            self.proc.terminate()
-            self.proc.wait(10)
+        _terminate(self.proc)
         conf = Path(self._dir) / "sentinel.conf"
         if conf.is_file():
             return self._spawn(conf, timeout, preexec_fn)
         return self.start(timeout, preexec_fn)
 
     def log_tail(self) -> str:
-        try:
-            return (Path(self._dir) / "sentinel.log").read_text()[-2000:]
-        except OSError:
-            return ""
+        return _tail(Path(self._dir) / "sentinel.log")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _terminate(self.proc)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
