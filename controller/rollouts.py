@@ -47,7 +47,6 @@ DEFAULT_LIST = 50
 CAS_ATTEMPTS = 3
 FOLLOW_POLL_S = 2.0  # a switch's row is re-read at least this often while it is followed
 NOT_RECEIVED_RETRIES = 3  # a node's switch that never reached its agent is started again
-REDIS_RETRY_MIN_S, REDIS_RETRY_MAX_S = 0.1, 2.0  # waiting for Redis under a running rollout
 POLL_WITHOUT_EVENTS_S = 0.2  # … and this often when the event hub cannot be subscribed to
 STATUS_EVENT = {
     RolloutStatus.RUNNING: EventType.ROLLOUT_WAVE,
@@ -270,16 +269,6 @@ class Rollouts:
         log.info("controller.rollout_resumed", rollout_id=rid, status=st.status,
                  wave=st.wave, switching=list(step.start))
         self._act(rid, step)
-
-    async def _resume_when_redis_is_back(self, rollout_id: str) -> None:
-        """Redis went away under a running rollout (a Sentinel failover, a restart): wait until
-        it answers, then re-drive the rollout as a new leader would — Reconfigure again with
-        the same request ids, so a switch that was begun is followed, never run twice."""
-        delay = REDIS_RETRY_MIN_S
-        while not await self.store.ping():
-            await asyncio.sleep(delay)
-            delay = min(REDIS_RETRY_MAX_S, delay * 2)
-        await self._resume(rollout_id)
 
     # ------------------------------------------------------------------ persistence
     async def _read(self, rollout_id: str, store=None) -> tuple[RolloutState, RolloutMeta]:

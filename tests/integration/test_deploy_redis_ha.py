@@ -143,6 +143,10 @@ def test_the_deploy_scripts_form_a_group_that_fails_over(group):
     os.killpg(g.procs["redis0"].pid, signal.SIGKILL)
     g.procs.pop("redis0").wait()
     took = g.until(lambda: g.primary() == g.redis_ports[1], 30, "no failover")
+    # a Sentinel client takes a primary only once a sentinel reports it up (flags "master");
+    # right after the promotion that can lag a moment, as a client's retries would
+    g.until(lambda: any(g.master_flags(p) == "master" for p in g.sentinel_ports), 20,
+            "no sentinel reports the new primary up")
     asyncio.run(write(1, 0))
     # the old primary, started again by its script, comes back as a replica of the new one
     g.start_redis(0)

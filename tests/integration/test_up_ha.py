@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import redis
 
@@ -64,7 +65,14 @@ def test_ha_stack_fails_over_when_the_primary_is_killed(stack):
         time.sleep(0.2)
     failover = time.monotonic() - t0
     wait_serving(stack.addr["controller"], "remp.controller.v1.Controller", 30)
-    assert set_mode(stack, policy_pb2.MODE_OFF) == policy_pb2.MODE_OFF  # a write, after it
+    deadline = time.monotonic() + 20
+    while True:  # a write, after it (UNAVAILABLE while no sentinel reports the new primary up)
+        try:
+            assert set_mode(stack, policy_pb2.MODE_OFF) == policy_pb2.MODE_OFF
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc
+            time.sleep(0.2)
     recovered = time.monotonic() - t0
     # remp up restarts the killed server; Sentinel makes it a replica of the new primary
     stack.wait_line("restarted redis primary", 30, after=n)
