@@ -378,6 +378,7 @@ class Child(Supervised):
 @dataclass
 class RedisChild(Supervised):
     server: RedisServer | RedisSentinel | None = None
+    group: RedisHA | None = None  # --ha: a server comes back as a replica of the new primary
 
     def alive(self) -> bool:
         return self.server.alive()
@@ -392,7 +393,10 @@ class RedisChild(Supervised):
 
     def restart(self) -> None:
         self.restarts += 1
-        self.server.restart(preexec_fn=die_with_parent)
+        if self.group is not None and isinstance(self.server, RedisServer):
+            self.group.restart_server(self.server, preexec_fn=die_with_parent)
+        else:
+            self.server.restart(preexec_fn=die_with_parent)
 
     def tail(self, n: int = 20) -> str:
         return "\n".join(self.server.log_tail().splitlines()[-min(n, 4):])
@@ -532,7 +536,8 @@ class Stack:
             self.redis_ha = RedisHA(persist=True)
             self.redis_ha.start(preexec_fn=die_with_parent)
             self.redis_children = [
-                RedisChild(f"redis {role}", budget=self.budget(), server=srv) for role, srv in (
+                RedisChild(f"redis {role}", budget=self.budget(), server=srv,
+                           group=self.redis_ha) for role, srv in (
                     ("primary", self.redis_ha.primary), ("replica", self.redis_ha.replicas[0]),
                     *((f"sentinel {i + 1}", s) for i, s in enumerate(self.redis_ha.sentinels)))]
             redis_url = self.redis_ha.url

@@ -383,6 +383,20 @@ class RedisHA:
                 continue
         return None
 
+    def restart_server(self, server: RedisServer, timeout: float = 30,
+                       preexec_fn=None) -> RedisServer:
+        """A crashed server of the group, back as a replica of the primary the sentinels name.
+        While they still name the dead server itself it is not restarted (up to ``timeout``):
+        a primary restarted before the failover would come back with its last second of
+        writes missing (appendfsync everysec) and the replica would resynchronise from it,
+        losing writes that WAIT had acknowledged."""
+        deadline = time.monotonic() + timeout
+        while self.primary_port() in (server.port, None) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        primary = self.primary_port()
+        server.replica_of = primary if primary not in (server.port, None) else None
+        return server.restart(preexec_fn=preexec_fn)
+
     def server_on(self, port: int) -> RedisServer:
         return next(s for s in self.servers if s.port == port)
 
