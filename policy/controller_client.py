@@ -73,21 +73,21 @@ class GrpcController:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.timeout, self._creds = timeout, creds
         self._ch = self.stub = None
+        self._retired: list[grpc.aio.Channel] = []  # closed at close(): a call may use one
         self._connect(self.addresses[0])
 
     def _connect(self, address: str) -> None:
         self.address = address
+        if self._ch is not None:
+            self._retired.append(self._ch)
         # the channel sends the policy's token where the access table asks for one
-        old, self._ch = self._ch, aio_channel(address, self._creds, options=channel_options())
+        self._ch = aio_channel(address, self._creds, options=channel_options())
         self.stub = controller_pb2_grpc.ControllerStub(self._ch)
-        if old is not None:
-            self._closing = old  # closed at close(): a call may still be using it
 
     async def close(self) -> None:
-        await self._ch.close()
-        old = getattr(self, "_closing", None)
-        if old is not None:
-            await old.close()
+        for ch in (*self._retired, self._ch):
+            await ch.close()
+        self._retired.clear()
 
     async def _call(self, name: str, req):
         tried: set[str] = set()

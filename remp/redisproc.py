@@ -86,6 +86,22 @@ def _tail(path: Path) -> str:
         return ""
 
 
+def _ping(port: int, password: str | None, timeout: float = 0.5) -> bool:
+    """PING (after AUTH) a server or sentinel on a loopback port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            if password:
+                pw = password.encode()
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def _terminate(proc: subprocess.Popen | None) -> None:
     """SIGTERM, then SIGKILL after 10 s; reaped either way."""
     if proc and proc.poll() is None:
@@ -168,18 +184,7 @@ class RedisServer:
         raise TimeoutError(f"redis-server did not answer on port {self.port}")
 
     def ping(self, timeout: float = 0.5) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
-                s.settimeout(timeout)
-                if self.password:
-                    pw = self.password.encode()
-                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
-                    if not s.recv(64).startswith(b"+OK"):
-                        return False
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
+        return _ping(self.port, self.password, timeout)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -251,18 +256,14 @@ class RedisSentinel:
         kw = {"preexec_fn": preexec_fn} if preexec_fn else {"start_new_session": True}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, **kw)
-        probe = RedisServer(self.port, self.password)
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"sentinel exited with {self.proc.returncode}: "
-                                       + self.log_tail())
-                if probe.ping():
-                    return self
-                time.sleep(0.05)
-        finally:
-            shutil.rmtree(probe._dir, ignore_errors=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sentinel exited with {self.proc.returncode}: "
+                                   + self.log_tail())
+            if _ping(self.port, self.password):
+                return self
+            time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"sentinel did not answer on port {self.port}")
 
