@@ -26,9 +26,9 @@ from controller.model import (AbortResult, EngineInfo, Error, Event, EventType, 
                               SwitchRecord, TrafficSample)
 from controller.planner import NodeFacts, Plan, check_target, plan_switch
 from controller.ports import AgentPort
-from controller.store import Store, SwitchRow, decode_reg
+from controller.store import EVENTS_MAXLEN, Store, SwitchRow, decode_reg, parse_event
 from controller.validation import NODE_NAME, journal_entries
-from controller.watch import EventHub, WatchLimits, id_key
+from controller.watch import EventHub, WatchLimits, id_key, maybe_trimmed, stream_id
 from remp import logs
 from remp import metrics
 from remp import validate
@@ -583,10 +583,13 @@ class Controller:
                      rollout_id=rollout_id)
 
     async def watch(self, node: str, switch_id: str, include_history: bool, caller: str,
-                    rollout_id: str = "") -> AsyncIterator[Event]:
-        """Events (filtered by node and switch id) from now on, or from the oldest retained
-        with ``include_history``. Holds no Redis connection while it waits: the hub reads
-        the stream once for every open Watch. Capped per ``caller`` and in total."""
+                    rollout_id: str = "", after_id: str = "") -> AsyncIterator[Event]:
+        """Events (filtered by node, switch id and rollout id) from now on, from the oldest
+        retained with ``include_history``, or from just after ``after_id`` (a client resuming:
+        no event lost or repeated; FailedPrecondition when events after it may have been
+        trimmed). Holds no Redis connection while it waits: the hub reads the stream once for
+        every open Watch. Capped per ``caller`` and in total."""
+        resume = stream_id(after_id) if after_id else None
         m = metrics.controller()
         try:
             self.watch_limits.acquire(caller)
@@ -597,28 +600,42 @@ class Controller:
         sub = None
         try:
             sub = self.hub.subscribe(node, switch_id, rollout_id)
-            if include_history:
-                # what the hub handed out before this stream subscribed, in pages; the rest
-                # is in the subscription's queue (every id there is after start_id)
-                after, end, done = "0-0", id_key(sub.start_id), False
-                while not done:
-                    page = await self.reads.read_events(after, None, 500)
-                    done = not page
-                    for eid, ev in page:
-                        if id_key(eid) > end:
-                            done = True
-                            break
-                        after = eid
-                        if sub.matches(ev):
-                            yield ev
-                    done = done or id_key(after) >= end
+            if resume is not None or include_history:
+                async for ev in self._replay(sub, after_id or "0-0", resume is not None):
+                    yield ev
+            floor = resume or (0, 0)  # a client ahead of this controller's reader: no repeats
             while True:
-                yield await sub.get()
+                ev = await sub.get()
+                if id_key(ev.id) > floor:
+                    yield ev
         finally:
             if sub is not None:
                 self.hub.unsubscribe(sub)
             self.watch_limits.release(caller)
             m.watch_streams.dec()
+
+    async def _replay(self, sub, after: str, exact: bool) -> AsyncIterator[Event]:
+        """What the hub handed out before ``sub`` subscribed and after ``after``, in pages (the
+        rest is in the subscription's queue: every id there is after its start_id). ``exact``
+        (a resume): FailedPrecondition when events after the cursor were trimmed before a page
+        was read."""
+        end = id_key(sub.start_id)
+        while id_key(after) < end:
+            page, first, removed = await self.reads.read_events_page(after, 500)
+            if exact and maybe_trimmed(after, first, removed):
+                raise FailedPrecondition(
+                    f"after_id {after}: events after it are no longer retained (the oldest is "
+                    f"{first}; the stream keeps the newest ~{EVENTS_MAXLEN}): some were missed;"
+                    " reconnect without after_id (include_history replays all retained)")
+            if not page:
+                return
+            for eid, raw in page:
+                if id_key(eid) > end:
+                    return
+                after = eid
+                ev = parse_event(eid, raw)
+                if sub.matches(ev):
+                    yield ev
 
     async def _sweep_leases(self) -> None:
         period = max(0.2, self.s.lease_seconds / 4)

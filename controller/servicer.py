@@ -84,8 +84,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @rpc_errors_stream
     @checked_stream
     async def Watch(self, request, context):
+        # headers now: a client knows the stream is open before the first event arrives
+        await context.send_initial_metadata(())
         async for ev in self.core.watch(request.node, request.switch_id, request.include_history,
-                                        caller_key(context), request.rollout_id):
+                                        caller_key(context), request.rollout_id,
+                                        request.after_id):
             yield to_proto(ev)
 
     @rpc_errors

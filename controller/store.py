@@ -601,6 +601,33 @@ class Store:
         return [(eid, fields.get("e", "{}"))
                 for _stream, entries in res or [] for eid, fields in entries]
 
+    async def read_events_page(self, after: str, count: int = 500
+                               ) -> tuple[list[tuple[str, str]], str, int]:
+        """(id, Event JSON) of up to ``count`` events after ``after``, the oldest event
+        retained ("" none) and how many the stream has had removed (MAXLEN trims the oldest;
+        remp never deletes one) — read in one transaction, so whether events after ``after``
+        were trimmed before this page was read is known exactly
+        (:func:`controller.watch.maybe_trimmed`)."""
+        async with self.r.pipeline(transaction=True) as p:
+            p.xinfo_stream(self.k_events)
+            p.xread({self.k_events: after}, count=count)
+            try:
+                info, res = await p.execute(raise_on_error=False)
+            except (aioredis.RedisError, OSError) as exc:
+                raise self._unavailable(exc) from exc
+        if isinstance(info, aioredis.ResponseError):  # no stream yet: nothing retained
+            return [], "", 0
+        if isinstance(info, Exception):
+            raise self._unavailable(info)
+        if isinstance(res, Exception):
+            raise self._unavailable(res)
+        first = (info.get("first-entry") or ("",))[0] or ""
+        length = int(info.get("length", 0))
+        added = info.get("entries-added")  # Redis >= 7; before: a full stream was trimmed
+        removed = (int(added) - length) if added is not None else int(length >= EVENTS_MAXLEN)
+        return ([(eid, fields.get("e", "{}")) for _s, entries in res or [] for eid, fields in
+                 entries], first, removed)
+
     async def read_events(self, after: str, block_ms: int | None = None, count: int = 500
                           ) -> list[tuple[str, Event]]:
         return [(eid, parse_event(eid, raw))

@@ -95,6 +95,10 @@ LABEL_VALUE = Rule(63, f"[{LABEL_VALUE_CHARS}]", whole=LABEL_VALUE_RE.pattern,
                    note=", starting and ending with a letter or digit")
 TOPOLOGY_KEY = Rule(16, "[TP0-9]", whole=r"TP[1-9][0-9]{0,3}PP[1-9][0-9]{0,3}",
                     note=", a topology like TP2PP1")
+# an Event.id (WatchRequest.after_id): a Redis stream id; its range (each part at most
+# 2^64-1) is checked by controller.watch.stream_id
+STREAM_ID = Rule(41, "[0-9-]", whole=r"[0-9]{1,20}-[0-9]{1,20}",
+                 note=", a Redis stream id <ms>-<seq> as Event.id carries it")
 SKIP = None  # checked elsewhere (see journal_entries)
 
 # field name → rule; (message full name, field name) first where a name means something else
@@ -116,6 +120,7 @@ RULES: dict = {
     "dtype": NAME,
     "nodes": NODE,
     "rollout_id": ID,
+    "after_id": STREAM_ID,
     ("remp.controller.v1.InflightRequest", "request_id"): SKIP,
 }
 # map field name → (key rule, value rule: None when the values are not strings) and the most

@@ -6,20 +6,22 @@ one XREAD loop on its own connection and hands each event to every :class:`Subsc
 filter matches (:class:`Fanout`, pure). A subscription whose queue is full (a reader slower
 than the events) is dropped with RESOURCE_EXHAUSTED; it never holds the others up. When Redis
 goes away every open stream ends with UNAVAILABLE (clients reconnect; ``include_history``
-replays what they missed). :class:`WatchLimits` caps concurrent streams per caller
+replays what they missed; ``after_id`` resumes exactly after the last event received).
+:class:`WatchLimits` caps concurrent streams per caller
 (:attr:`remp.auth.Caller.key`) and in total.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Iterable
 
 from controller.model import Event
 from controller.store import parse_event
 from remp import logs
-from remp.errors import RempError, ResourceExhausted, Unavailable
+from remp.errors import InvalidArgument, RempError, ResourceExhausted, Unavailable
 
 log = logs.get_logger("remp.controller.watch")
 
@@ -28,6 +30,33 @@ def id_key(event_id: str) -> tuple[int, int]:
     """A Redis stream id ("1700000000000-3") as a comparable pair."""
     ms, _, seq = event_id.partition("-")
     return int(ms or 0), int(seq or 0)
+
+
+U64_MAX = 2**64 - 1
+_DIGITS = re.compile(r"[0-9]{1,20}")
+
+
+def stream_id(text: str, field: str = "after_id") -> tuple[int, int]:
+    """A caller's stream id "<ms>-<seq>" (the syntax and length are
+    :data:`controller.validation.STREAM_ID`'s) as a pair; InvalidArgument when a part is out
+    of Redis's range."""
+    ms, sep, seq = text.partition("-")
+    if not (sep and len(text) <= 41 and _DIGITS.fullmatch(ms) and _DIGITS.fullmatch(seq)):
+        raise InvalidArgument(f"{field}: a Redis stream id <ms>-<seq> as Event.id carries it "
+                              f"(got {text[:41]!r})")
+    key = int(ms), int(seq)
+    if max(key) > U64_MAX:
+        raise InvalidArgument(f"{field}: each part of a stream id is at most {U64_MAX} "
+                              f"(got {text[:41]!r})")
+    return key
+
+
+def maybe_trimmed(after: str, first_retained: str, removed: int) -> bool:
+    """Whether events after ``after`` may have been trimmed from the stream: some were removed
+    (``removed`` > 0: XADD MAXLEN trims the oldest) and ``after`` is older than the oldest
+    retained event. Conservative by one case: when exactly the events up to ``after`` were
+    trimmed, nothing was missed, but that cannot be told from the stream (pure)."""
+    return removed > 0 and bool(first_retained) and id_key(after) < id_key(first_retained)
 
 
 class WatchLimits:
@@ -131,8 +160,8 @@ class Fanout:
                     sub.fail(ResourceExhausted(
                         f"this Watch stream fell {sub.maxsize} events behind (the client reads "
                         f"slower than events arrive) and was closed so that it holds no one "
-                        f"up; reconnect, with include_history to replay what was missed after "
-                        f"event {ev.id}"))
+                        f"up; reconnect with after_id = the id of the last event received to "
+                        f"replay what was missed"))
                     self.subs.discard(sub)
                     dropped.append(sub)
         self.dropped += len(dropped)
@@ -176,8 +205,9 @@ class EventHub:
             except Unavailable as exc:
                 self.ready = False
                 self.fanout.fail_all(Unavailable(
-                    f"the event stream was interrupted (Redis unreachable); reconnect, with "
-                    f"include_history to replay what was missed: {exc}"))
+                    f"the event stream was interrupted (Redis unreachable); reconnect with "
+                    f"after_id = the id of the last event received to replay what was missed: "
+                    f"{exc}"))
                 if not down_logged:
                     log.warning("controller.watch_reader_down", error=str(exc))
                     down_logged = True

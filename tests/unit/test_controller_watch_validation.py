@@ -108,3 +108,27 @@ def test_fanout_filters_and_drops_only_the_slow_one():
 def test_stream_ids_compare_numerically():
     assert id_key("999-5") < id_key("1000-0") < id_key("1000-1")
     assert id_key("0-0") == (0, 0)
+
+
+def test_after_id_is_a_bounded_redis_stream_id():
+    from controller.watch import U64_MAX, stream_id
+
+    validation.check(controller_pb2.WatchRequest(after_id="1700000000000-3"))
+    validation.check(controller_pb2.WatchRequest(after_id=f"{U64_MAX}-{U64_MAX}"))
+    for bad in ("x", "1", "1-", "-1", "1-2-3", " 1-2", "1-2\n", "1" * 21 + "-0", "9" * 10**5):
+        assert invalid(controller_pb2.WatchRequest(after_id=bad)).startswith("after_id:"), bad
+    assert stream_id("1700000000000-3") == (1700000000000, 3)
+    for bad in (f"{U64_MAX + 1}-0", f"0-{U64_MAX + 1}", "١-2", "a-b", "12"):
+        with pytest.raises(InvalidArgument):
+            stream_id(bad)
+
+
+def test_maybe_trimmed_only_when_something_was_removed_past_the_cursor():
+    from controller.watch import maybe_trimmed
+
+    assert not maybe_trimmed("0-0", "5-0", 0)        # nothing ever removed: all retained
+    assert maybe_trimmed("0-0", "5-0", 3)            # the oldest were trimmed: unknown gap
+    assert maybe_trimmed("4-9", "5-0", 1)
+    assert not maybe_trimmed("5-0", "5-0", 1)        # the cursor is still retained
+    assert not maybe_trimmed("7-0", "5-0", 1)
+    assert not maybe_trimmed("1-0", "", 1)           # an empty stream: nothing to replay

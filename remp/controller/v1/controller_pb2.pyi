@@ -389,16 +389,18 @@ class ReconfigureResponse(_message.Message):
     def __init__(self, switch_id: _Optional[str] = ..., noop: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("node", "switch_id", "include_history", "rollout_id")
+    __slots__ = ("node", "switch_id", "include_history", "rollout_id", "after_id")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SWITCH_ID_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ID_FIELD_NUMBER: _ClassVar[int]
     node: str
     switch_id: str
     include_history: bool
     rollout_id: str
-    def __init__(self, node: _Optional[str] = ..., switch_id: _Optional[str] = ..., include_history: _Optional[bool] = ..., rollout_id: _Optional[str] = ...) -> None: ...
+    after_id: str
+    def __init__(self, node: _Optional[str] = ..., switch_id: _Optional[str] = ..., include_history: _Optional[bool] = ..., rollout_id: _Optional[str] = ..., after_id: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "type", "node", "switch_id", "phase", "at", "record", "detail", "decision", "rollout_id")
