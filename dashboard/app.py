@@ -6,7 +6,8 @@ stream, all read from the controller (and the policy) over gRPC.
     GET  /api/nodes             ListNodes
     GET  /api/switches?node=    ListSwitches (newest first)
     GET  /api/events?node=      Controller.Watch as server-sent events (live phases; one Watch
-                                for all streams, fanned out here)
+                                for all streams, fanned out here; it resumes on another
+                                controller after the last event when its controller dies)
     GET  /api/policy?node=      the policy's forecast, past forecasts sampled here, decisions
     GET  /api/saving?node=      GPU-hours the node held vs the whole host, per UTC day (its
                                 heartbeat windows and switch records at the controller), and the
@@ -25,7 +26,9 @@ grants) and, when the browser sends one, an allowed ``Origin``. Every request ne
 ``Host`` (DNS rebinding) and every response carries a CSP (dashboard/security.py).
 
 The dashboard calls the controller with its own operator token (``creds.only(OPERATOR)``); a
-dashboard holding no operator token is read-only (login refused).
+dashboard holding no operator token is read-only (login refused). ``controller`` may name
+several controllers (comma-separated, controller HA): reads go to whichever answers, writes
+reach the leader (:mod:`remp.controllers`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from remp import logs
 from dashboard import views
 from remp.auth import Credentials, Role, aio_channel
 from remp.common.v1 import types_pb2
-from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.controller.v1 import controller_pb2
+from remp.controllers import LEADER_RETRY_S, AioControllers
 from remp.grpc_util import channel_options
 from remp.policy.v1 import policy_pb2, policy_pb2_grpc
 from remp.topology import Topology
@@ -77,10 +81,13 @@ CSRF_HEADER = "x-remp-dashboard"
 class WatchHub:
     """One ``Controller.Watch`` (all nodes) shared by every /api/events stream: the number of
     browsers never becomes a number of controller streams. Started by the first subscriber,
-    cancelled after the last one leaves; when it ends (controller gone, error) every stream ends
-    with it and the browsers reconnect (EventSource retry), which starts a new one."""
+    cancelled after the last one leaves. Its controller dying does not end it: it resumes on
+    another after the last event (:meth:`AioControllers.watch`; a gap, when events were trimmed
+    meanwhile, is sent to the browsers as a ``watch_gap`` event). When it ends (no controller
+    for a while, an error) every stream ends with it and the browsers reconnect (EventSource
+    retry), which starts a new one."""
 
-    def __init__(self, ctl: controller_pb2_grpc.ControllerStub, limit: int):
+    def __init__(self, ctl: AioControllers, limit: int):
         self.ctl, self.limit = ctl, limit
         self.subs: dict[asyncio.Queue, str] = {}  # queue -> node filter ("" all)
         self._task: asyncio.Task | None = None
@@ -89,7 +96,8 @@ class WatchHub:
         return len(self.subs) >= self.limit
 
     def subscribe(self, node: str) -> asyncio.Queue | None:
-        """A queue of (id, json) / AioRpcError / None (end), or None when at the limit."""
+        """A queue of (id, json) / str (a gap notice) / AioRpcError / None (end), or None
+        when at the limit."""
         if self.full():
             return None
         q: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE)
@@ -110,10 +118,23 @@ class WatchHub:
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(item)
 
+    def _notify(self, item: str) -> None:
+        for q in list(self.subs):
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(item)
+
+    def _gap(self, after: str, why: str) -> None:
+        log.warning("dashboard.watch_gap", after_id=after, detail=why)
+        self._notify(f"events after {after} were trimmed before the stream resumed: some "
+                     "were missed")
+
     async def _run(self) -> None:
-        call = self.ctl.Watch(controller_pb2.WatchRequest())
+        events = self.ctl.watch(
+            controller_pb2.WatchRequest(), on_gap=self._gap,
+            on_resume=lambda addr, after: log.info("dashboard.watch_resumed", controller=addr,
+                                                   after_id=after))
         try:
-            async for ev in call:
+            async for ev in events:
                 v = views.event_view(ev)
                 item = (v["id"], json.dumps(v))
                 for q, node in list(self.subs.items()):
@@ -129,7 +150,7 @@ class WatchHub:
         except grpc.aio.AioRpcError as exc:
             self._end_all(exc)
         finally:
-            call.cancel()
+            await events.aclose()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -146,11 +167,13 @@ class Backend:
     def __init__(self, s: DashboardSettings, creds: Credentials):
         self.s = s
         own = creds.only(Role.OPERATOR)
-        self.ctl_ch = aio_channel(s.controller, own, options=channel_options())
-        self.ctl = controller_pb2_grpc.ControllerStub(self.ctl_ch)
+        # reads to whichever controller answers, writes to the leader
+        self.controllers = AioControllers(s.controller, own, timeout=s.rpc_timeout_s,
+                                          retry_s=LEADER_RETRY_S)
+        self.ctl = self.controllers.stub
         self.pol_ch = aio_channel(s.policy, own, options=channel_options()) if s.policy else None
         self.pol = policy_pb2_grpc.PolicyStub(self.pol_ch) if self.pol_ch else None
-        self.watch = WatchHub(self.ctl, s.max_event_streams)
+        self.watch = WatchHub(self.controllers, s.max_event_streams)
         # node -> {window start: first forecast made for it} (what was predicted, kept to plot
         # against what arrived)
         self.past: dict[str, dict[float, float]] = {}
@@ -167,7 +190,7 @@ class Backend:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.watch.close()
-        await self.ctl_ch.close()
+        await self.controllers.close()
         if self.pol_ch is not None:
             await self.pol_ch.close()
 
@@ -471,6 +494,9 @@ def build_app(s: DashboardSettings, creds: Credentials | None = None,
                         continue
                     if item is None:
                         return
+                    if isinstance(item, str):
+                        yield f"event: watch_gap\ndata: {json.dumps({'detail': item})}\n\n"
+                        continue
                     if isinstance(item, grpc.aio.AioRpcError):
                         if item.code() != grpc.StatusCode.CANCELLED:
                             data = json.dumps({"error": item.details(), "code": item.code().name})

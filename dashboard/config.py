@@ -9,12 +9,15 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from dashboard import security
+from remp.controllers import addresses
 
 
 class DashboardSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REMP_DASHBOARD_", extra="forbid")
 
-    controller: str = Field(description="controller host:port")
+    controller: str = Field(description="controller host:port, or several comma-separated "
+                            "(controller HA: reads go to whichever answers, writes reach the "
+                            "leader)")
     policy: str | None = Field(None, description="policy service host:port (unset: no policy "
                                "section)")
     credentials_file: Path | None = Field(
@@ -54,8 +57,10 @@ class DashboardSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "DashboardSettings":
-        if not self.controller.strip():
-            raise ValueError("controller must be host:port")
+        try:
+            self.controller = ",".join(addresses(self.controller))
+        except ValueError as exc:
+            raise ValueError(f"controller: {exc}") from None
         if self.allowed_hosts is not None:
             hosts = [h.strip() for h in self.allowed_hosts if h.strip()]
             for h in hosts:

@@ -1,7 +1,10 @@
 """Operator commands of the ``remp`` CLI that talk to a running controller:
 ``status``, ``nodes``, ``plan``, ``reconfigure`` (phases live, from Watch), ``watch``, ``history``.
 
-The controller is ``--controller`` or ``$REMP_CONTROLLER_ADDRESS`` (default 127.0.0.1:50051); the
+The controller is ``--controller`` or ``$REMP_CONTROLLER_ADDRESS`` (default 127.0.0.1:50051), or
+several comma-separated (controller HA: a write a follower refuses goes to the leader it names,
+an unreachable controller to the next; ``watch`` resumes on another controller after the last
+event it printed, :mod:`remp.controllers`); the
 operator credential comes from ``--credentials-file``, ``$REMP_CREDENTIALS_FILE``,
 ``$REMP_TOKEN_OPERATOR`` or, when none is set, ``.remp/up/credentials.json`` (what ``remp up``
 writes) — never from argv. ``--json`` prints JSON (one object, or one per
@@ -11,6 +14,7 @@ not succeed, 2 bad arguments.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -23,11 +27,11 @@ import grpc
 
 from dashboard import views
 from remp.common.v1 import types_pb2
-from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.controller.v1 import controller_pb2
 from remp.auth import Credentials, Role, sync_channel
 from remp.cliargs import add_credentials_arg, cli_credentials
+from remp.controllers import LEADER_RETRY_S, AioControllers, SyncControllers, addresses
 from remp.errors import ConfigError
-from remp.grpc_util import channel_options
 from remp.topology import Topology
 
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
@@ -37,7 +41,9 @@ FINISHED = {controller_pb2.EVENT_TYPE_SWITCH_DONE, controller_pb2.EVENT_TYPE_SWI
 
 def add_common(p) -> None:
     p.add_argument("--controller", default=None,
-                   help=f"controller host:port (default $REMP_CONTROLLER_ADDRESS or {DEFAULT_CONTROLLER})")
+                   help="controller host:port, or several comma-separated (controller HA: "
+                   f"writes reach the leader; default $REMP_CONTROLLER_ADDRESS or "
+                   f"{DEFAULT_CONTROLLER})")
     p.add_argument("--json", action="store_true", help="print JSON")
     add_credentials_arg(p)
 
@@ -64,6 +70,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--node", default="")
     p.add_argument("--switch", default="", help="one switch id")
     p.add_argument("--history", action="store_true", help="replay retained events first")
+    p.add_argument("--after", default="", metavar="EVENT_ID",
+                   help="resume after this event id (the id --json prints)")
     p = sub.add_parser("health", help="grpc.health.v1 check of any remp service (exit 0 when "
                        "SERVING; container health checks)")
     p.add_argument("address", help="host:port")
@@ -79,6 +87,13 @@ def _addr(a) -> str:
     return a.controller or os.environ.get("REMP_CONTROLLER_ADDRESS", DEFAULT_CONTROLLER)
 
 
+def _addrs(a) -> list[str]:
+    try:
+        return addresses(_addr(a))
+    except ValueError as exc:
+        raise ConfigError(f"--controller: {exc}") from None
+
+
 def _creds(a) -> Credentials:
     """The operator's credentials, loaded once per command."""
     creds = getattr(a, "_operator_creds", None)
@@ -89,8 +104,10 @@ def _creds(a) -> Credentials:
 
 
 def _stub(a):
-    ch = sync_channel(_addr(a), _creds(a), options=channel_options())
-    return ch, controller_pb2_grpc.ControllerStub(ch)
+    """(the controllers, a stub-like object whose calls follow the leader); the first is a
+    context manager that closes the channels."""
+    c = SyncControllers(_addrs(a), _creds(a), retry_s=LEADER_RETRY_S)
+    return c, c.stub
 
 
 def _fail(msg: str, code: int = 1) -> int:
@@ -144,20 +161,20 @@ def cmd_status(a) -> int:
     ch, stub = _stub(a)
     with ch:
         try:
-            h = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service="remp.controller.v1.Controller"), timeout=5)
             nodes = [views.node_view(n) for n in
                      stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10).nodes]
             hist = [views.switch_view(s) for s in stub.ListSwitches(
                 controller_pb2.ListSwitchesRequest(page_size=5), timeout=10).switches]
+            h = health_pb2_grpc.HealthStub(ch.channel()).Check(  # the one that answered
+                health_pb2.HealthCheckRequest(service="remp.controller.v1.Controller"), timeout=5)
         except grpc.RpcError as exc:
             return _rpc_fail(a, exc)
     health = health_pb2.HealthCheckResponse.ServingStatus.Name(h.status)
     if a.json:
-        print(json.dumps({"controller": _addr(a), "health": health, "nodes": nodes,
+        print(json.dumps({"controller": ch.address, "health": health, "nodes": nodes,
                           "recent_switches": hist}))
         return 0
-    print(f"controller {_addr(a)}: {health}")
+    print(f"controller {ch.address}: {health}")
     print(f"nodes ({len(nodes)}):")
     for n in nodes:
         print("  " + node_line(n).replace("\n", "\n  "))
@@ -197,27 +214,52 @@ def cmd_plan(a) -> int:
 
 
 class _Watcher:
-    """Controller.Watch in a thread; events go to a queue (so the main thread can time out)."""
+    """Controller.Watch in a thread (its own event loop: :meth:`AioControllers.watch`, which
+    resumes on another controller after the last event when its stream breaks); events go to
+    a queue (so the main thread can time out), with the stream's end (None), its error
+    (grpc.RpcError) and notices about resumes and gaps (str) among them."""
 
-    def __init__(self, a, node: str = "", switch: str = "", history: bool = False):
+    def __init__(self, a, node: str = "", switch: str = "", history: bool = False,
+                 after: str = ""):
         self.q: queue.Queue = queue.Queue()
-        self.ch, stub = _stub(a)
-        self.call = stub.Watch(controller_pb2.WatchRequest(node=node, switch_id=switch,
-                                                           include_history=history))
-        self.t = threading.Thread(target=self._run, daemon=True)
+        self.req = controller_pb2.WatchRequest(node=node, switch_id=switch,
+                                               include_history=history, after_id=after)
+        self.ctl = AioControllers(_addrs(a), _creds(a))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = threading.Event()
+        self.t = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
         self.t.start()
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
+        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
         try:
-            for ev in self.call:
+            if self._closed.is_set():
+                return
+            async for ev in self.ctl.watch(
+                    self.req, on_gap=lambda after, why: self.q.put(
+                        f"events after {after} are no longer retained: some were missed; "
+                        f"replaying every retained event ({why})"),
+                    on_resume=lambda addr, after: self.q.put(
+                        f"stream resumed at {addr} after event {after or '(none yet)'}")):
                 self.q.put(ev)
             self.q.put(None)
         except grpc.RpcError as exc:
             self.q.put(exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await self.ctl.close()
 
     def close(self) -> None:
-        self.call.cancel()
-        self.ch.close()
+        self._closed.set()
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop has finished already
+                pass
+        self.t.join(5)
 
 
 def event_text(e: dict) -> str:
@@ -228,12 +270,15 @@ def event_text(e: dict) -> str:
 
 
 def cmd_watch(a) -> int:
-    w = _Watcher(a, a.node, a.switch, a.history)
+    w = _Watcher(a, a.node, a.switch, a.history, a.after)
     try:
         while True:
             item = w.q.get()
             if item is None:
                 return 0
+            if isinstance(item, str):
+                print(f"remp: {item}", file=sys.stderr, flush=True)
+                continue
             if isinstance(item, grpc.RpcError):
                 if item.code() == grpc.StatusCode.CANCELLED:
                     return 0
@@ -308,6 +353,8 @@ def _follow(a, w: _Watcher, sid: str) -> int:
             rec = _get_switch(a, sid)  # finished before we subscribed, or events were trimmed
             if rec is not None and rec["outcome"] != "running":
                 return _done(a, rec)
+            continue
+        if isinstance(item, str):  # a resume or gap notice: GetSwitch covers a gap
             continue
         if item is None or isinstance(item, grpc.RpcError):
             rec = _get_switch(a, sid)

@@ -1,5 +1,6 @@
 """The policy's client of the controller (I/O edge behind ``policy.service.ControllerPort``):
-one grpc.aio channel, a deadline on every call, the policy's credential (remp.auth), and gRPC
+grpc.aio channels to the controllers (remp.controllers: it follows the leader), a deadline on
+every call, the policy's credential (remp.auth), and gRPC
 statuses turned back into the typed ``remp.errors`` (one table)."""
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from policy.service import NodeView, ReconfigureResult, Sample
-from remp.auth import Credentials, aio_channel
+from remp.auth import Credentials
 from remp.common.v1 import types_pb2
-from remp.controller.v1 import controller_pb2, controller_pb2_grpc
-from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError,
+from remp.controller.v1 import controller_pb2
+from remp.controllers import AioControllers
+from remp.errors import (ConfigError, FailedPrecondition, InvalidArgument, NotFound, RempError,
                          Unauthenticated, Unavailable, error_from_rpc)
-from remp.grpc_util import channel_options
 from remp.topology import Topology
 
 # The controller's answers the policy acts on; any other failure (a deadline, the controller
@@ -67,46 +68,32 @@ def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
 class GrpcController:
     """``address``: one controller, or several comma-separated (controller HA). Reads go to
     whichever answers; a write refused by a follower (NotLeader) is sent once more to the
-    leader it names, and the client stays with the leader after that."""
+    leader it names, and the client stays with the leader after that (remp.controllers)."""
 
     def __init__(self, address: str, creds: Credentials | None = None, timeout: float = 10.0):
-        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
-        self.timeout, self._creds = timeout, creds
-        self._ch = self.stub = None
-        self._retired: list[grpc.aio.Channel] = []  # closed at close(): a call may use one
-        self._connect(self.addresses[0])
+        # the channels send the policy's token where the access table asks for one
+        try:
+            self._ctl = AioControllers(address, creds, timeout=timeout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.timeout = timeout
 
-    def _connect(self, address: str) -> None:
-        self.address = address
-        if self._ch is not None:
-            self._retired.append(self._ch)
-        # the channel sends the policy's token where the access table asks for one
-        self._ch = aio_channel(address, self._creds, options=channel_options())
-        self.stub = controller_pb2_grpc.ControllerStub(self._ch)
+    @property
+    def addresses(self) -> list[str]:
+        return self._ctl.addresses
+
+    @property
+    def address(self) -> str:
+        return self._ctl.address
 
     async def close(self) -> None:
-        for ch in (*self._retired, self._ch):
-            await ch.close()
-        self._retired.clear()
+        await self._ctl.close()
 
     async def _call(self, name: str, req):
-        tried: set[str] = set()
-        while True:
-            try:
-                return await getattr(self.stub, name)(req, timeout=self.timeout)
-            except grpc.aio.AioRpcError as exc:
-                tried.add(self.address)
-                leader = dict(exc.trailing_metadata() or ()).get("remp-leader", "")
-                # another controller, when this one is not the leader or not reachable (an
-                # UNAVAILABLE about an agent is the leader's answer, passed on as it is)
-                moved = exc.code() == grpc.StatusCode.UNAVAILABLE and any(
-                    t in (exc.details() or "").lower()
-                    for t in ("not the leader", "failed to connect"))
-                nxt = (leader if leader and leader not in tried else
-                       next((a for a in self.addresses if a not in tried), "") if moved else "")
-                if not nxt:
-                    raise _typed(exc, self.address) from None
-                self._connect(nxt)
+        try:
+            return await self._ctl.call(name, req)
+        except grpc.aio.AioRpcError as exc:
+            raise _typed(exc, self.address) from None
 
     async def list_nodes(self) -> list[NodeView]:
         r = await self._call("ListNodes", controller_pb2.ListNodesRequest())

@@ -224,6 +224,8 @@ function connectEvents() {
   es.onopen = () => { s.textContent = "events: live"; s.className = "badge live"; };
   es.onerror = () => { s.textContent = "events: reconnecting"; s.className = "badge off"; };
   es.addEventListener("watch_error", (m) => { s.textContent = "events: controller error"; s.className = "badge off"; });
+  // some events were trimmed before the dashboard's stream resumed: re-read what they changed
+  es.addEventListener("watch_gap", () => { refreshHistory(); refreshNodes(); });
   es.onmessage = (m) => { try { onEvent(JSON.parse(m.data)); } catch (e) { console.error(e); } };
 }
 
