@@ -18,7 +18,7 @@ from controller.agents import AgentClients, TlsFiles
 from controller.config import ControllerSettings
 from controller.core import Controller
 from controller.servicer import ControllerServicer
-from controller.store import Store
+from controller.store import Fence, Store
 from controller.watch import EventHub
 from remp import logs, metrics
 from remp.auth import Credentials, Role
@@ -45,11 +45,12 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
     creds = Credentials.load(s.credentials_file)
     creds.require_for_server("remp controller")
     m = metrics.controller()
+    fence = Fence()  # the leader term the leader-only writes carry (controller HA)
 
     def lane(name: str, size: int, **kw) -> Store:
         return metrics.CountingStore(Store(url, s.redis_prefix, max_connections=size, lane=name,
                                            wait_replicas=s.redis_wait_replicas,
-                                           wait_ms=s.redis_wait_ms, **kw), m)
+                                           wait_ms=s.redis_wait_ms, fence=fence, **kw), m)
     store = lane("switches", s.redis_switch_connections)
     leases = lane("agents", s.redis_agent_connections)
     reads = lane("reads", s.redis_read_connections, pool_timeout=2.0)
@@ -89,7 +90,7 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
             except asyncio.TimeoutError:
                 pass
         if s.leader_lease_seconds:
-            lease_task = asyncio.create_task(_lead_when_elected(s, url, core, port))
+            lease_task = asyncio.create_task(_lead_when_elected(s, url, core, port, fence))
             await core.start(lead=False)
         else:
             await core.start()
@@ -129,9 +130,10 @@ async def serve(s: ControllerSettings, ready: asyncio.Event | None = None,
 
 
 async def _lead_when_elected(s: ControllerSettings, url: str, core: Controller,
-                             port: int) -> None:
+                             port: int, fence: Fence) -> None:
     """Controller HA: the lease loop (its own Redis connections); the core's drivers run while
-    this controller leads."""
+    this controller leads, their writes fenced by the term it was elected in (``fence``: a
+    deposed leader's writes are refused by Redis itself)."""
     import os
     import socket
     import uuid
@@ -148,6 +150,7 @@ async def _lead_when_elected(s: ControllerSettings, url: str, core: Controller,
     core.leadership = lease
 
     async def elected() -> None:
+        fence.term = lease.term  # before anything awaits: every write from here carries it
         try:
             await core.lead()
         except Exception as exc:  # noqa: BLE001 - keep leading; the drivers retry on their own

@@ -34,7 +34,7 @@ from redis.backoff import NoBackoff
 
 from controller.convert import from_json, to_json
 from controller.model import Event, Registration
-from remp.errors import NotFound, Unavailable
+from remp.errors import NotFound, NotLeader, Unavailable
 from remp import logs, redisconn
 from remp.redisproc import redact_url
 from remp.transaction import Outcome
@@ -221,6 +221,33 @@ return 1
 """
 
 
+# Fenced writes (controller HA, docs/rollout.md §5): every script only the leader runs carries,
+# as its last key and last argument, the key ``leader:term`` and the term the writer leads in
+# ("" and "" when not fenced: one controller). Anything but the current term and the write is
+# refused — a deposed leader that has not noticed yet (a long pause, a partition) cannot take
+# a slot, advance a phase, finish a record or step a rollout. The preamble strips both, so the
+# script below it sees its own KEYS and ARGV.
+_FENCE = """
+local fence_key, fence_term = KEYS[#KEYS], ARGV[#ARGV]
+local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 1)}, {unpack(ARGV, 1, #ARGV - 1)}
+if fence_key ~= '' and redis.call('GET', fence_key) ~= fence_term then
+  return redis.error_reply('FENCED leader term ' .. fence_term .. ' is no longer the current one')
+end
+"""
+# the scripts only the leader runs (registration and heartbeats: every controller)
+FENCED = frozenset({"begin", "noop", "dispatch", "advance", "finish", "expire", "recommend",
+                    "rollout_create", "rollout_step"})
+
+
+class Fence:
+    """The leader term this controller's fenced writes carry; 0: not fenced (one controller,
+    or not elected yet). Shared by the controller's stores; the lease loop sets it when this
+    controller is elected (controller.server)."""
+
+    def __init__(self, term: int = 0):
+        self.term = term
+
+
 @dataclass
 class RolloutRow:
     rollout_id: str
@@ -272,8 +299,9 @@ class Store:
 
     def __init__(self, url: str, prefix: str = "remp:", *, max_connections: int = 32,
                  pool_timeout: float = 5.0, socket_timeout: float = 5.0, lane: str = "",
-                 wait_replicas: int = 0, wait_ms: int = 1000):
+                 wait_replicas: int = 0, wait_ms: int = 1000, fence: Fence | None = None):
         self.url, self.p, self.lane = redact_url(url), prefix, lane  # never the password
+        self.fence = fence or Fence()
         # ``url``: one server, or redis+sentinel://… (the primary as Sentinel names it now;
         # after a failover the next connection goes to the promoted replica)
         pool = redisconn.blocking_pool(
@@ -286,7 +314,8 @@ class Store:
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self._replicas_seen, self._degraded_logged = wait_replicas, False
         self.r = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
-        self._scripts = {name: self.r.register_script(src) for name, src in (
+        self._scripts = {name: self.r.register_script(_FENCE + src if name in FENCED else src)
+                         for name, src in (
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
             ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
             ("expire", _EXPIRE), ("recommend", _RECOMMEND),
@@ -313,6 +342,8 @@ class Store:
     def k_rollouts(self) -> str: return f"{self.p}rollouts"
     @property
     def k_rollouts_active(self) -> str: return f"{self.p}rollouts:active"
+    @property
+    def k_term(self) -> str: return f"{self.p}leader:term"  # controller.leader's
 
     def _unavailable(self, exc: BaseException) -> Unavailable:
         if isinstance(exc, (aioredis.ConnectionError, aioredis.TimeoutError, OSError)):
@@ -321,10 +352,19 @@ class Store:
         return Unavailable(f"redis error at {self.url}: {type(exc).__name__}: {exc}")
 
     async def _run(self, name: str, keys: list[str], args: list):
+        if name in FENCED:
+            term = self.fence.term
+            keys, args = [*keys, self.k_term if term else ""], [*args, term if term else ""]
         try:
             if self.wait_replicas and name in ACKNOWLEDGED:
                 return await self._run_acknowledged(name, keys, args)
             return await self._scripts[name](keys=keys, args=args)
+        except aioredis.ResponseError as exc:
+            if "FENCED leader term" in str(exc):  # (a pipeline's error names the command)
+                log.warning("controller.write_fenced", script=name, term=self.fence.term,
+                            lane=self.lane)
+                raise NotLeader() from None
+            raise self._unavailable(exc) from exc
         except (aioredis.RedisError, OSError) as exc:
             raise self._unavailable(exc) from exc
 

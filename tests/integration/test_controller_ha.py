@@ -136,3 +136,60 @@ def test_two_controllers_one_leads_the_other_refuses_writes_and_takes_over(
         handover = time.monotonic() - t0
         print(f"controller handover after kill -9: {handover:.2f} s (lease {LEASE_S} s)")
         assert handover <= 5.0
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])  # 1: the script runs in a WAIT pipeline
+def test_a_deposed_leaders_writes_are_fenced_by_the_term(redis_server, wait_replicas):
+    """Fenced writes (docs/rollout.md §5): the leader-only scripts carry the term the writer
+    was elected in; once another controller leads (a new term), the old leader's begin /
+    advance / finish / recommend / rollout step are refused by Redis and change nothing, while
+    registration (every controller's) still works and the new leader's writes go through."""
+    from controller.store import Fence, Store
+
+    async def go():
+        prefix = f"t-fence-{wait_replicas}:"
+        r = aioredis.from_url(redis_server.url, decode_responses=True)
+        a = LeaderLease(r, prefix, "a", "10.0.0.1:1", lease_s=LEASE_S, poll_s=0.05)
+        b = LeaderLease(r, prefix, "b", "10.0.0.2:1", lease_s=LEASE_S, poll_s=0.05)
+        fa, fb = Fence(), Fence()
+        sa = Store(redis_server.url, prefix, fence=fa, wait_replicas=wait_replicas)
+        sb = Store(redis_server.url, prefix, fence=fb, wait_replicas=wait_replicas)
+        ev = controller_pb2.Event(type=controller_pb2.EVENT_TYPE_SWITCH_PHASE, node="f1")
+        try:
+            assert await a.try_acquire()
+            fa.term = a.term
+            await sa.register("f1", reg("f1"), time.time() + 60, "TP2PP1", ev)
+            assert (await sa.begin("f1", "sw-f1", "", "{}", time.time(), "TP1PP2", ev,
+                                   observed="TP2PP1"))[0] == "ok"
+            assert await sa.advance("sw-f1", 1, 2, '{"a": 1}', ev)
+            # a pauses; its lease is taken over (here: the key removed, b elected)
+            await r.delete(f"{prefix}leader")
+            assert await b.try_acquire() and b.term == a.term + 1
+            fb.term = b.term
+            for write in (sa.advance("sw-f1", 2, 3, '{"a": 2}', ev),
+                          sa.finish("sw-f1", "f1", "succeeded", 9, "{}", "TP1PP2", ev),
+                          sa.dispatch("sw-f1"),
+                          sa.recommend("f1", "TP1PP2", ev),
+                          sa.rollout_step("ro-1", 0, 1, "{}", "running", False, [], ev),
+                          sa.begin("f1", "sw-f2", "", "{}", time.time(), "TP1PP2", ev,
+                                   observed="TP2PP1")):
+                with pytest.raises(NotLeader):
+                    await write
+            row = await sa.switch("sw-f1")
+            assert (row.phase, row.outcome, row.dispatched) == (2, "running", False)
+            assert (await sa.node("f1")).get("recommendation") is None
+            await sa.register("f1", reg("f1"), time.time() + 60, "TP2PP1", ev)  # unfenced
+            # the new leader's writes go through
+            assert await sb.finish("sw-f1", "f1", "rolled_back", 2, "{}", "", ev)
+            assert (await sb.switch("sw-f1")).outcome == "rolled_back"
+            # one controller (no lease: term 0) is not fenced at all
+            solo = Store(redis_server.url, prefix)
+            try:
+                assert await solo.recommend("f1", "TP1PP2", ev)
+            finally:
+                await solo.close()
+        finally:
+            await sa.close()
+            await sb.close()
+            await r.aclose()
+    asyncio.run(go())
