@@ -217,6 +217,38 @@ def _maybe_fault(fault: str, phase: str) -> None:
         raise InjectedFault(f"injected fault in {phase}")
 
 
+STEP_TIMING_ENV = "REMP_STEP_TIMING_DIR"  # benchmarks only: bench/runner_steps.py
+
+
+def _step_timing(cls, rank: int) -> None:
+    """Benchmarks only: with ``$REMP_STEP_TIMING_DIR`` set, every ``execute_model`` and
+    ``sample_tokens`` of this worker appends one JSON line to ``steps-<pid>-r<rank>.jsonl``
+    there: [kind "e"/"s", start (perf_counter), thread CPU s, wall s, scheduled tokens, id of
+    the model runner] — the forward pass's own CPU time, which other processes on the host
+    barely move, and which runner did it (vLLM's, or one remp built at a switch)."""
+    import json
+
+    d = os.environ.get(STEP_TIMING_ENV)
+    if not d or getattr(cls, "_remp_step_timing", False):
+        return
+    cls._remp_step_timing = True
+    out = open(os.path.join(d, f"steps-{os.getpid()}-r{rank}.jsonl"), "a", buffering=1)
+
+    def wrap(name: str) -> None:
+        inner = getattr(cls, name)
+
+        def timed(self, arg, *a, **k):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            res = inner(self, arg, *a, **k)
+            c1, w1 = time.thread_time(), time.perf_counter()
+            n = getattr(arg, "total_num_scheduled_tokens", -1)
+            out.write(json.dumps([name[0], w0, c1 - c0, w1 - w0, n, id(self.model_runner)]) + "\n")
+            return res
+        setattr(cls, name, timed)
+    wrap("execute_model")
+    wrap("sample_tokens")
+
+
 class RempWorkerExtension:
     """Mixed into every vLLM worker; call with ``collective_rpc("remp_...")``."""
 
@@ -294,6 +326,7 @@ class RempWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         t0 = time.perf_counter()
+        _step_timing(type(self), self.rank)
         st = self._remp = _WorkerSwitchState()
         pc = self.vllm_config.parallel_config
         world = pc.world_size
