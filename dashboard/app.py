@@ -5,9 +5,14 @@ stream, all read from the controller (and the policy) over gRPC.
     GET  /api/config            what this browser may do (``can_write``: logged in)
     GET  /api/nodes             ListNodes
     GET  /api/switches?node=    ListSwitches (newest first)
-    GET  /api/events?node=      Controller.Watch as server-sent events (live phases; one Watch
-                                for all streams, fanned out here; it resumes on another
-                                controller after the last event when its controller dies)
+    GET  /api/events?node=&rollout=   Controller.Watch as server-sent events (live phases and
+                                rollout progress; one Watch for all streams, fanned out here; it
+                                resumes on another controller after the last event when its
+                                controller dies)
+    GET  /api/rollouts?active=1 ListRollouts (newest first): target, set, floor, state, progress
+    GET  /api/rollouts/{id}     GetRollout: waves, each node's state and switch id, the floor
+                                and the set's capacity now (ListNodes by the rollout's table)
+    GET  /api/switch?id=        GetSwitch (a rollout node's switch record)
     GET  /api/policy?node=      the policy's forecast, past forecasts sampled here, decisions
     GET  /api/saving?node=      GPU-hours the node held vs the whole host, per UTC day (its
                                 heartbeat windows and switch records at the controller), and the
@@ -15,6 +20,8 @@ stream, all read from the controller (and the policy) over gRPC.
     POST /api/login             {token} (the operator credential) → a session cookie
     POST /api/logout            ends the session
     POST /api/reconfigure       {node, target, reason?, request_id?} → Reconfigure (logged in)
+    POST /api/control-rollout   {rollout_id, action: pause|resume|abort, reason?} →
+                                ControlRollout (logged in, as reconfigure)
     GET  /healthz               200 when the controller answers
 
 Reading is open to whoever reaches the port. Writing needs a session: ``/api/login`` with the
@@ -76,6 +83,9 @@ PAST_FORECASTS = 720  # per node
 SAVING_DAYS = 8  # days of heartbeat windows /api/saving reads (the controller keeps 20,000 samples)
 SAVING_SWITCHES = 1000  # switch records it reads to know which topology was held when
 CSRF_HEADER = "x-remp-dashboard"
+ROLLOUT_ACTIONS = {"pause": controller_pb2.ROLLOUT_ACTION_PAUSE,
+                   "resume": controller_pb2.ROLLOUT_ACTION_RESUME,
+                   "abort": controller_pb2.ROLLOUT_ACTION_ABORT}
 
 
 class WatchHub:
@@ -89,19 +99,19 @@ class WatchHub:
 
     def __init__(self, ctl: AioControllers, limit: int):
         self.ctl, self.limit = ctl, limit
-        self.subs: dict[asyncio.Queue, str] = {}  # queue -> node filter ("" all)
+        self.subs: dict[asyncio.Queue, tuple[str, str]] = {}  # queue -> (node, rollout) filter
         self._task: asyncio.Task | None = None
 
     def full(self) -> bool:
         return len(self.subs) >= self.limit
 
-    def subscribe(self, node: str) -> asyncio.Queue | None:
+    def subscribe(self, node: str, rollout: str = "") -> asyncio.Queue | None:
         """A queue of (id, json) / str (a gap notice) / AioRpcError / None (end), or None
-        when at the limit."""
+        when at the limit. ``node``, ``rollout``: only that node's / rollout's events ("" all)."""
         if self.full():
             return None
         q: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE)
-        self.subs[q] = node
+        self.subs[q] = (node, rollout)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         return q
@@ -137,8 +147,8 @@ class WatchHub:
             async for ev in events:
                 v = views.event_view(ev)
                 item = (v["id"], json.dumps(v))
-                for q, node in list(self.subs.items()):
-                    if node and node != ev.node:
+                for q, (node, rollout) in list(self.subs.items()):
+                    if (node and node != ev.node) or (rollout and rollout != ev.rollout_id):
                         continue
                     try:
                         q.put_nowait(item)
@@ -260,6 +270,28 @@ class Backend:
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(self.s.forecast_poll_s)
+
+    async def switch(self, switch_id: str) -> dict:
+        return views.switch_view(await self.ctl.GetSwitch(
+            controller_pb2.GetSwitchRequest(switch_id=switch_id), timeout=self.s.rpc_timeout_s))
+
+    async def rollouts(self, active_only: bool) -> list[dict]:
+        r = await self.ctl.ListRollouts(controller_pb2.ListRolloutsRequest(
+            active_only=active_only, limit=self.s.rollouts_page), timeout=self.s.rpc_timeout_s)
+        return [views.rollout_row(x) for x in r.rollouts]
+
+    async def rollout(self, rollout_id: str) -> dict:
+        t = self.s.rpc_timeout_s
+        r = await self.ctl.GetRollout(controller_pb2.GetRolloutRequest(rollout_id=rollout_id),
+                                      timeout=t)
+        nodes = await self.ctl.ListNodes(controller_pb2.ListNodesRequest(), timeout=t)
+        return views.rollout_view(r, nodes.nodes)
+
+    async def control_rollout(self, rollout_id: str, action: str, reason: str) -> dict:
+        r = await self.ctl.ControlRollout(controller_pb2.ControlRolloutRequest(
+            rollout_id=rollout_id, action=ROLLOUT_ACTIONS[action], reason=reason),
+            timeout=self.s.rpc_timeout_s)
+        return views.rollout_view(r)
 
     async def reconfigure(self, node: str, target: Topology, reason: str, request_id: str):
         return await self.ctl.Reconfigure(controller_pb2.ReconfigureRequest(
@@ -444,13 +476,17 @@ def build_app(s: DashboardSettings, creds: Credentials | None = None,
         resp.delete_cookie(cookie, path="/", secure=secure, httponly=True, samesite="strict")
         return resp
 
-    async def reconfigure(req: Request) -> Response:
+    def write_guard(req: Request, what: str) -> Response | None:
+        """Every action: a dashboard that can act, a live operator session, then CSRF."""
         if not writes_enabled:
             return _json_error(403, "READ_ONLY", "read-only dashboard: it holds no operator token")
         if session_left(req) is None:
             return _json_error(401, "UNAUTHENTICATED", "log in with the operator credential "
-                               "to approve or start switches")
-        if (refused := post_guard(req)) is not None:
+                               f"to {what}")
+        return post_guard(req)
+
+    async def reconfigure(req: Request) -> Response:
+        if (refused := write_guard(req, "approve or start switches")) is not None:
             return refused
         try:
             body = await read_json(req)
@@ -470,9 +506,59 @@ def build_app(s: DashboardSettings, creds: Credentials | None = None,
         return JSONResponse({"switch_id": r.switch_id, "noop": r.noop, "duplicate": r.duplicate,
                              "request_id": request_id})
 
+    async def switch(req: Request) -> Response:
+        try:
+            sid = security.switch_id(req.query_params.get("id"))
+            return JSONResponse(await backend.switch(sid))
+        except security.BadInput as exc:
+            return bad(exc)
+        except grpc.aio.AioRpcError as exc:
+            return _err(exc)
+
+    async def rollouts(req: Request) -> Response:
+        active = req.query_params.get("active", "")
+        if active not in ("", "0", "1"):
+            return _json_error(400, "INVALID_ARGUMENT", "active must be 0 or 1")
+        try:
+            return JSONResponse({"rollouts": await backend.rollouts(active == "1"),
+                                 "at": time.time()})
+        except grpc.aio.AioRpcError as exc:
+            return _err(exc)
+
+    async def rollout(req: Request) -> Response:
+        try:
+            return JSONResponse(await backend.rollout(
+                security.rollout_id(req.path_params["rollout_id"])))
+        except security.BadInput as exc:
+            return bad(exc)
+        except grpc.aio.AioRpcError as exc:
+            return _err(exc)
+
+    async def control_rollout(req: Request) -> Response:
+        if (refused := write_guard(req, "pause, resume or abort rollouts")) is not None:
+            return refused
+        try:
+            body = await read_json(req)
+            rid = security.rollout_id(body.get("rollout_id"))
+            action = security.rollout_action(body.get("action"))
+            reason = security.reason(body.get("reason"), f"{action} from the dashboard")
+        except security.BadInput as exc:
+            return bad(exc)
+        try:
+            v = await backend.control_rollout(rid, action, reason)
+        except grpc.aio.AioRpcError as exc:
+            log.info("dashboard.control_rollout_refused", rollout_id=rid, action=action,
+                     code=exc.code().name, client=_client(req))
+            return _err(exc)
+        log.info("dashboard.control_rollout", rollout_id=rid, action=action, status=v["status"],
+                 version=v["version"], client=_client(req))
+        return JSONResponse(v)
+
     async def events(req: Request) -> Response:
         try:
             node = security.node(req.query_params.get("node"), required=False)
+            rollout = req.query_params.get("rollout")
+            rollout = security.rollout_id(rollout) if rollout else ""
         except security.BadInput as exc:
             return bad(exc)
         if backend.watch.full():
@@ -481,7 +567,7 @@ def build_app(s: DashboardSettings, creds: Credentials | None = None,
 
         async def stream():
             # subscribed here, not before: a generator that never starts never unsubscribes
-            queue = backend.watch.subscribe(node)
+            queue = backend.watch.subscribe(node, rollout)
             if queue is None:
                 return
             try:
@@ -522,9 +608,12 @@ def build_app(s: DashboardSettings, creds: Credentials | None = None,
         Route("/", index), Route("/healthz", healthz), Route("/api/config", config),
         Route("/api/nodes", nodes), Route("/api/switches", switches),
         Route("/api/policy", policy), Route("/api/saving", saving), Route("/api/events", events),
+        Route("/api/switch", switch), Route("/api/rollouts", rollouts),
+        Route("/api/rollouts/{rollout_id}", rollout),
         Route("/api/login", login, methods=["POST"]),
         Route("/api/logout", logout, methods=["POST"]),
         Route("/api/reconfigure", reconfigure, methods=["POST"]),
+        Route("/api/control-rollout", control_rollout, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ], lifespan=lifespan)
     app.security = dict(allowlist=allow, on_refused=_Refusals())

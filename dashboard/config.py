@@ -47,6 +47,8 @@ class DashboardSettings(BaseSettings):
     forecast_poll_s: float = Field(5.0, gt=0, description="how often the dashboard samples the "
                                    "policy's forecast to plot past forecasts against traffic")
     history_page: int = Field(50, ge=1, le=1000, description="switches shown in the history")
+    rollouts_page: int = Field(50, ge=1, le=1000, description="rollouts shown in the list "
+                               "(newest first)")
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

@@ -22,6 +22,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
+from remp import validate
+from remp.errors import InvalidArgument
 from remp.topology import Topology
 
 # ---------------------------------------------------------------------------- headers
@@ -257,6 +259,37 @@ def request_id(value: object) -> str | None:
     if not isinstance(value, str) or not REQUEST_ID_RE.fullmatch(value):
         raise BadInput("request_id must be 1-128 characters of letters, digits, '.', '_', ':' "
                        "or '-', starting with a letter or digit")
+    return value
+
+
+def ident(field: str, value: object) -> str:
+    """A required id (rollout, switch) by the controller's own rule for ids, shared in
+    ``remp.validate.name``: at most 128 characters of [A-Za-z0-9._:-], starting with a letter
+    or digit."""
+    if value is None or value == "":
+        raise BadInput(f"{field} is required")
+    if not isinstance(value, str):
+        raise BadInput(f"{field} must be a string")
+    try:
+        return validate.name(field, value, required=True)
+    except InvalidArgument as exc:
+        raise BadInput(str(exc)) from None
+
+
+def rollout_id(value: object) -> str:
+    return ident("rollout_id", value)
+
+
+def switch_id(value: object) -> str:
+    return ident("switch_id", value)
+
+
+ROLLOUT_ACTIONS = ("pause", "resume", "abort")
+
+
+def rollout_action(value: object) -> str:
+    if value not in ROLLOUT_ACTIONS:
+        raise BadInput(f"action must be one of {', '.join(ROLLOUT_ACTIONS)}")
     return value
 
 

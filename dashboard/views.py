@@ -41,6 +41,14 @@ def event_type_name(t: int) -> str:
     return _enum(controller_pb2.EventType, t, "EVENT_TYPE_").lower()
 
 
+def rollout_status_name(s: int) -> str:
+    return _enum(controller_pb2.RolloutStatus, s, "ROLLOUT_STATUS_").lower()
+
+
+def rollout_node_status_name(s: int) -> str:
+    return _enum(controller_pb2.RolloutNodeStatus, s, "ROLLOUT_NODE_STATUS_").lower()
+
+
 def mode_name(m: int) -> str:
     return _enum(policy_pb2.Mode, m, "MODE_").lower()
 
@@ -102,7 +110,87 @@ def event_view(e: controller_pb2.Event) -> dict:
         "id": e.id, "type": event_type_name(e.type), "node": e.node, "switch_id": e.switch_id,
         "phase": phase_name(e.phase) if e.phase else "", "at": _ts(e.at), "detail": e.detail,
         "record": switch_view(e.record) if e.HasField("record") and e.record.switch_id else None,
+        "rollout_id": e.rollout_id,
     }
+
+
+ROLLOUT_TERMINAL = ("done", "failed", "aborted")
+
+
+def rollout_view(r: controller_pb2.RolloutState, nodes=None) -> dict:
+    """One rollout: its plan (waves with the capacity planned during and after each), each
+    node's progress, and counts for a list row. ``nodes``: the controller's NodeStates, when
+    given, add ``capacity_now`` — the set's serving capacity at this moment by the rollout's
+    own table (READY nodes not switching, each at its observed topology's capacity), to set
+    against the floor; the controller itself reports only the planned capacities."""
+    p = r.plan
+    status = rollout_status_name(r.status)
+    progress = [{"node": n.node, "wave": n.wave, "status": rollout_node_status_name(n.status),
+                 "switch_id": n.switch_id,
+                 "outcome": outcome_name(n.outcome) if n.outcome else "", "error": n.error}
+                for n in r.nodes]
+    count = {k: 0 for k in ("pending", "switching", "succeeded", "rolled_back", "failed")}
+    for n in progress:
+        count[n["status"]] = count.get(n["status"], 0) + 1
+    waves = len(p.waves)
+    # a wave is done once none of its nodes is pending or switching
+    by_wave: dict[int, list[str]] = {}
+    for n in progress:
+        by_wave.setdefault(n["wave"], []).append(n["status"])
+    waves_done = sum(1 for w in p.waves
+                     if by_wave.get(w.index) and
+                     not {"pending", "switching"} & set(by_wave[w.index]))
+    members = [n for w in p.waves for n in w.nodes]
+    v = {
+        "rollout_id": r.rollout_id, "status": status, "terminal": status in ROLLOUT_TERMINAL,
+        "target": topo(p.target), "floor": p.floor, "max_parallel": p.max_parallel,
+        "base_capacity": p.base_capacity, "required_capacity": p.required_capacity,
+        "nodes_in_set": members + list(p.skipped) + [e.node for e in p.excluded],
+        "wave": r.wave, "version": r.version,
+        "failed_node": r.failed_node, "reason": r.reason, "description": r.description,
+        "pause_requested": r.pause_requested, "abort_requested": r.abort_requested,
+        "request_id": r.request_id, "created_at": _ts(r.created_at),
+        "capacity_rps": dict(sorted(r.capacity_rps.items())),
+        "waves": [{"index": w.index, "nodes": list(w.nodes),
+                   "capacity_during": w.capacity_during, "capacity_after": w.capacity_after}
+                  for w in p.waves],
+        "skipped": list(p.skipped),
+        "excluded": [{"node": e.node, "why": e.why} for e in p.excluded],
+        "nodes": progress,
+        "progress": {"waves_done": waves_done, "waves": waves,
+                     "switched": count["succeeded"],
+                     "failed": count["failed"] + count["rolled_back"],
+                     "switching": count["switching"], "pending": count["pending"]},
+    }
+    if nodes is not None:
+        v["capacity_now"] = capacity_now(r, nodes)
+    return v
+
+
+def rollout_row(r: controller_pb2.RolloutState) -> dict:
+    """A rollout as a list shows it: :func:`rollout_view` without the per-wave and per-node
+    detail (a 1,000-node rollout's is most of its size)."""
+    v = rollout_view(r)
+    for k in ("waves", "nodes", "excluded"):
+        del v[k]
+    return v
+
+
+def capacity_now(r: controller_pb2.RolloutState, nodes) -> float | None:
+    """The rollout's set serving now, by its capacity table: READY nodes (none switching) count
+    their observed topology's capacity, others 0. None when the table lacks a
+    topology a serving node is on (nothing to say then)."""
+    members = {n for w in r.plan.waves for n in w.nodes} | set(r.plan.skipped) | \
+        {e.node for e in r.plan.excluded}
+    total = 0.0
+    for n in nodes:
+        if n.node not in members or n.health != controller_pb2.NODE_HEALTH_READY:
+            continue  # switching (health SWITCHING), lost or draining: 0
+        cap = r.capacity_rps.get(topo(n.observed))
+        if cap is None:
+            return None
+        total += cap
+    return total
 
 
 def plan_view(p: controller_pb2.PlanResponse) -> dict:

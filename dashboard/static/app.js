@@ -1,4 +1,5 @@
-// remp ops dashboard: polls the JSON API, follows Controller.Watch through /api/events (SSE).
+// remp ops dashboard: polls the JSON API, follows Controller.Watch through /api/events (SSE);
+// rollouts are re-read only when an event about one arrives (no polling).
 "use strict";
 
 const PHASES = ["QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED", "MIGRATE_KV", "RELOAD_SHARDS",
@@ -6,7 +7,7 @@ const PHASES = ["QUIESCING", "PREPARING_WORKERS", "MPU_APPLIED", "MIGRATE_KV", "
 const FINISH = { switch_done: "succeeded", switch_failed: "failed",
                  switch_rolled_back: "rolled_back", switch_aborted: "aborted" };
 const state = { cfg: { can_write: false, writes_enabled: false, policy: "" }, nodes: [], live: null,
-                liveLog: [] };
+                liveLog: [], rollouts: [], rollout: null, rolloutSel: null };
 
 const $ = (s, el = document) => el.querySelector(s);
 function h(tag, attrs = {}, ...kids) {
@@ -38,7 +39,7 @@ async function api(path, opts) {
     state.cfg.can_write = false;  // the session ended (expired, logged out elsewhere, restart)
     accessChanged();
   }
-  if (!r.ok) { const e = new Error(body.error || `${r.status}`); e.status = r.status; throw e; }
+  if (!r.ok) { const e = new Error(body.error || `${r.status}`); e.status = r.status; e.code = body.code; throw e; }
   return body;
 }
 // writes: JSON + the dashboard's header (no cross-site form or script can send both)
@@ -59,7 +60,7 @@ function renderAccess() {
   $("#logout").hidden = !c.can_write;
 }
 
-function accessChanged() { renderAccess(); renderNodes(); refreshPolicy(); }
+function accessChanged() { renderAccess(); renderNodes(); refreshPolicy(); renderRollout(); }
 
 function loginError(text) {
   const el = $("#login-error");
@@ -216,16 +217,18 @@ function onEvent(ev) {
   } else if (ev.type === "recommendation" || ev.type === "node_registered" || ev.type === "node_lost") {
     refreshNodes();
   }
+  if (ev.type.startsWith("rollout_")) refreshRollouts();
 }
 
 function connectEvents() {
   const es = new EventSource("/api/events");
   const s = $("#stream");
-  es.onopen = () => { s.textContent = "events: live"; s.className = "badge live"; };
+  // (re)opened: events sent while this page was not connected are not replayed to it
+  es.onopen = () => { s.textContent = "events: live"; s.className = "badge live"; refreshRollouts(); };
   es.onerror = () => { s.textContent = "events: reconnecting"; s.className = "badge off"; };
   es.addEventListener("watch_error", (m) => { s.textContent = "events: controller error"; s.className = "badge off"; });
   // some events were trimmed before the dashboard's stream resumed: re-read what they changed
-  es.addEventListener("watch_gap", () => { refreshHistory(); refreshNodes(); });
+  es.addEventListener("watch_gap", () => { refreshHistory(); refreshNodes(); refreshRollouts(); });
   es.onmessage = (m) => { try { onEvent(JSON.parse(m.data)); } catch (e) { console.error(e); } };
 }
 
@@ -233,7 +236,12 @@ function connectEvents() {
 async function refreshHistory() {
   let sw;
   try { ({ switches: sw } = await api("/api/switches")); } catch (e) { return; }
-  $("#history tbody").replaceChildren(...sw.map((s) => h("tr", { dataset: { switch: s.switch_id, outcome: s.outcome } },
+  $("#history tbody").replaceChildren(...sw.map((s) => switchRow(s)));
+  $("#history-empty").hidden = sw.length > 0;
+}
+
+function switchRow(s) {
+  return h("tr", { id: `sw-${s.switch_id}`, dataset: { switch: s.switch_id, outcome: s.outcome } },
     h("td", {}, time_(s.started_at)), h("td", {}, h("code", {}, s.switch_id)), h("td", {}, s.node),
     h("td", {}, `${s.from} → ${s.to}`), h("td", {}, badge(s.outcome)),
     h("td", {}, ms(s.total_s)), h("td", {}, ms(s.downtime_s)),
@@ -241,8 +249,157 @@ async function refreshHistory() {
       || (s.error ? `${s.error.code}: ${s.error.message}` : "")),
     h("td", {}, bytes(s.kv_bytes_moved)), h("td", {}, bytes(s.weight_bytes_loaded)),
     h("td", {}, `${s.requests_in_flight} / ${s.requests_held} / ${s.requests_preempted}`),
-    h("td", { class: "wrap" }, s.reason))));
-  $("#history-empty").hidden = sw.length > 0;
+    h("td", { class: "wrap" }, s.reason));
+}
+
+// ------------------------------------------------------------------ rollouts
+// Re-read when the shared Watch says a rollout changed: one read in flight, at most one queued
+// (a burst of events costs two reads).
+let roBusy = false, roAgain = false;
+async function refreshRollouts() {
+  if (roBusy) { roAgain = true; return; }
+  roBusy = true;
+  try {
+    do {
+      roAgain = false;
+      await loadRollouts();
+    } while (roAgain);
+  } finally { roBusy = false; }
+}
+
+async function loadRollouts() {
+  try {
+    const { rollouts } = await api("/api/rollouts");
+    state.rollouts = rollouts;
+    $("#rollouts-error").hidden = true;
+  } catch (e) {
+    $("#rollouts-error").hidden = false;
+    $("#rollouts-error").textContent = `controller: ${e.message}`;
+    return;
+  }
+  // nothing chosen yet: follow the newest rollout that is still going
+  if (!state.rolloutSel) {
+    const going = state.rollouts.find((r) => !r.terminal);
+    if (going) state.rolloutSel = going.rollout_id;
+  }
+  renderRollouts();
+  if (state.rolloutSel) await loadRollout(state.rolloutSel);
+}
+
+function renderRollouts() {
+  $("#rollouts-table tbody").replaceChildren(...state.rollouts.map((r) => {
+    const p = r.progress;
+    return h("tr", { dataset: { rollout: r.rollout_id, status: r.status },
+                     class: r.rollout_id === state.rolloutSel ? "selected" : "" },
+      h("td", {}, time_(r.created_at)),
+      h("td", {}, h("a", { href: `#rollout-detail`, onclick: () => selectRollout(r.rollout_id) },
+        h("code", {}, r.rollout_id))),
+      h("td", {}, r.target), h("td", { class: "wrap" }, r.nodes_in_set.join(", ")),
+      h("td", {}, `${(r.floor * 100).toFixed(0)} %`), h("td", {}, r.max_parallel),
+      h("td", {}, badge(r.status), r.pause_requested ? " pausing" : "", r.abort_requested ? " aborting" : ""),
+      h("td", { class: "ro-waves" }, `${p.waves_done} / ${p.waves}`),
+      h("td", { class: "ro-counts" }, `${p.switched} / ${p.failed} / ${p.pending + p.switching}`
+        + (p.switching ? ` (${p.switching} switching)` : "")));
+  }));
+  $("#rollouts-empty").hidden = state.rollouts.length > 0;
+}
+
+async function selectRollout(id) {
+  state.rolloutSel = id;
+  renderRollouts();
+  await loadRollout(id);
+}
+
+async function loadRollout(id) {
+  try {
+    state.rollout = await api(`/api/rollouts/${encodeURIComponent(id)}`);
+  } catch (e) {
+    state.rollout = null;
+    $("#rollout-detail").hidden = false;
+    $("#ro-action-error").hidden = false;
+    $("#ro-action-error").textContent = `rollout ${id}: ${e.message}`;
+    return;
+  }
+  renderRollout();
+}
+
+const cap = (v) => (v === null || v === undefined) ? "—" : `${+v.toFixed(2)} req/s`;
+function renderRollout() {
+  const r = state.rollout, box = $("#rollout-detail");
+  if (!r || r.rollout_id !== state.rolloutSel) return;
+  box.hidden = false;
+  box.dataset.rollout = r.rollout_id;
+  box.dataset.status = r.status;
+  $("#ro-id").textContent = r.rollout_id;
+  $("#ro-target").textContent = `→ ${r.target}`;
+  const st = $("#ro-state"); st.textContent = r.status + (r.pause_requested ? " (pausing after this wave)" : "")
+    + (r.abort_requested ? " (aborting)" : ""); st.className = `badge ${r.status}`;
+  const acts = $("#ro-actions");
+  acts.replaceChildren();
+  if (state.cfg.can_write && !r.terminal) {
+    for (const action of ["pause", "resume", "abort"]) {
+      acts.append(h("button", { class: `ro-${action}`, dataset: { action },
+        onclick: () => controlRollout(r.rollout_id, action) }, action[0].toUpperCase() + action.slice(1)), " ");
+    }
+  }
+  $("#ro-capacity").textContent = `capacity floor ${(r.floor * 100).toFixed(0)} %: at least ` +
+    `${cap(r.required_capacity)} of ${cap(r.base_capacity)} when planned; the set serves ` +
+    `${cap(r.capacity_now)} now (ready nodes, by the rollout's capacity table) · at most ` +
+    `${r.max_parallel} at once` + (r.description ? ` · ${r.description}` : "");
+  const why = $("#ro-reason");
+  why.hidden = !(r.reason || r.failed_node);
+  why.className = r.status === "failed" ? "error" : "";
+  why.textContent = (r.failed_node ? `failed on ${r.failed_node}` : "") +
+    (r.failed_node && r.reason ? ": " : "") + (r.reason || "");
+  const byNode = Object.fromEntries(r.nodes.map((n) => [n.node, n]));
+  const rows = [];
+  for (const w of r.waves) {
+    w.nodes.forEach((name, i) => {
+      const n = byNode[name] || { status: "", switch_id: "", outcome: "", error: "" };
+      rows.push(h("tr", { dataset: { roNode: name, status: n.status },
+                          class: w.index === r.wave && r.status === "running" ? "current" : "" },
+        i ? null : h("td", { rowspan: w.nodes.length }, `${w.index}`),
+        i ? null : h("td", { rowspan: w.nodes.length }, `${cap(w.capacity_during)} / ${cap(w.capacity_after)}`),
+        h("td", {}, name), h("td", {}, n.status ? badge(n.status) : ""),
+        h("td", {}, n.switch_id ? h("a", { href: `#sw-${n.switch_id}`, class: "switch-link",
+          onclick: (ev) => showSwitch(ev, n.switch_id) }, h("code", {}, n.switch_id)) : ""),
+        h("td", { class: "wrap" }, [n.outcome, n.error].filter(Boolean).join(": "))));
+    });
+  }
+  $("#ro-nodes tbody").replaceChildren(...rows);
+  $("#ro-other").replaceChildren(
+    ...r.skipped.map((n) => h("li", {}, `${n}: already on ${r.target}`)),
+    ...r.excluded.map((e) => h("li", {}, `${e.node}: not switched (${e.why})`)));
+}
+
+// the switch record: its row in the history when shown there, else read and shown here
+async function showSwitch(ev, id) {
+  const row = document.getElementById(`sw-${id}`);
+  const box = $("#ro-switch");
+  if (row) { box.hidden = true; row.classList.add("picked"); setTimeout(() => row.classList.remove("picked"), 2000); return; }
+  ev.preventDefault();
+  try {
+    const s = await api(`/api/switch?id=${encodeURIComponent(id)}`);
+    box.replaceChildren(h("table", {}, h("thead", {}, h("tr", {}, ...["started", "switch", "node", "from → to",
+      "outcome", "total", "downtime", "phases", "KV moved", "weights", "in flight / held / preempted", "reason"]
+      .map((t) => h("th", {}, t)))), h("tbody", {}, switchRow(s))));
+  } catch (e) { box.replaceChildren(h("p", { class: "error" }, `switch ${id}: ${e.message}`)); }
+  box.hidden = false;
+}
+
+async function controlRollout(id, action) {
+  const err = $("#ro-action-error");
+  err.hidden = true;
+  if (action === "abort" && !confirm(`Abort rollout ${id}? Switches still abortable are aborted; nothing further starts.`)) return;
+  try {
+    await post("/api/control-rollout", { rollout_id: id, action });
+    await loadRollout(id);  // the event it causes re-reads the list too
+  } catch (e) {
+    err.hidden = false;
+    // the controller's refusal as it gave it (e.g. FAILED_PRECONDITION: cannot resume …)
+    err.textContent = `${action} ${id}: ${e.code ? e.code + ": " : ""}${e.message}`;
+    if (e.status === 401) loginError("Your session ended: log in again to pause, resume or abort rollouts.");
+  }
 }
 
 // ------------------------------------------------------------------ policy
@@ -361,7 +518,7 @@ async function main() {
   renderAccess();
   $("#policy-none").hidden = !!state.cfg.policy;
   connectEvents();
-  await refreshNodes(); await refreshHistory(); await refreshPolicy(); await refreshSaving();
+  await refreshNodes(); await refreshHistory(); await refreshRollouts(); await refreshPolicy(); await refreshSaving();
   setInterval(refreshNodes, 2000);
   setInterval(refreshSaving, 15000);
   setInterval(refreshHistory, 5000);
