@@ -88,10 +88,16 @@ class NodeAgent:
             num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, kv_dtype=dtype,
             kv_rest=tuple(rest) if rest else None)
 
-    async def list_requests(self) -> list[dict]:
+    async def list_requests(self, exact: bool = False) -> list[dict]:
+        """The engine's requests: by default the front end's view, read in this process (answers
+        at once while requests stream or a switch runs; status and token counts as of the last
+        outputs that reached it, no KV blocks); ``exact``: the engine core's own view (between
+        its steps). Request migration checks the engine core's view while paused."""
         if self.status not in ("serving", "switching") or self.engine is None:
             raise FailedPrecondition(f"engine is {self.status}, not serving")
-        return await self.engine.list_requests()
+        if exact:
+            return await self.engine.list_requests()
+        return self.engine.request_view()
 
     def require_serving(self) -> None:
         if not self.cfg.settings.request_migration:

@@ -66,7 +66,7 @@ class NodeAgentServicer(node_agent_pb2_grpc.NodeAgentServicer):
 
     @rpc_errors
     async def ListRequests(self, request, context):
-        reqs = await self.agent.list_requests()
+        reqs = await self.agent.list_requests(exact=request.exact)
         return node_agent_pb2.ListRequestsResponse(requests=[
             node_agent_pb2.RequestInfo(request_id=r["request_id"], status=r["status"],
                                        prompt_tokens=r["prompt_tokens"],

@@ -96,6 +96,10 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.config", "VllmConfig.max_concurrent_batches", "PP batch queue size"),
     ("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "in-flight journal"),
     ("vllm.v1.engine.detokenizer", "IncrementalDetokenizer.output_token_ids", "in-flight journal"),
+    ("vllm.v1.engine.detokenizer", "IncrementalDetokenizer.num_output_tokens",
+     "ListRequests: a request's tokens so far, read in the front end"),
+    ("vllm.v1.engine.output_processor", "RequestState.__init__",
+     "ListRequests: the attributes of REQUEST_STATE_ATTRS"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1",
      "the remp import connector"),
     # world-size changes: STANDBY workers and the block pool resize
@@ -159,6 +163,12 @@ KV_MANAGER_ATTRS = ("block_pool", "watermark_blocks")
 BLOCK_POOL_ATTRS = ("blocks", "free_block_queue", "num_gpu_blocks")
 EXECUTOR_ATTRS = ("world_size", "output_rank")
 WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config")
+# The front end's own view of its requests (ListRequests, answered without the engine core):
+# AsyncLLM and its OutputProcessor are checked live at start; a RequestState exists only while a
+# request does, so check_internals checks that RequestState.__init__ still sets these.
+FRONT_END_ATTRS = ("output_processor", "engine_core")
+OUTPUT_PROCESSOR_ATTRS = ("request_states",)
+REQUEST_STATE_ATTRS = ("prompt_len", "is_prefilling", "detokenizer", "max_tokens_param")
 MODEL_RUNNER_ATTRS = ("model", "kv_caches", "intermediate_tensors", "max_num_tokens", "device",
                       "requests", "attn_groups", "kv_cache_config", "num_prompt_logprobs",
                       "_init_block_sizes")  # --cache-runners: a reused runner's InputBatch
@@ -206,6 +216,13 @@ def check_internals() -> str:
             _resolve(module, attr)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{module}.{attr} ({why}): {exc}")
+    try:
+        sets = set(_resolve("vllm.v1.engine.output_processor",
+                            "RequestState.__init__").__code__.co_names)
+        problems += [f"RequestState.{a} (ListRequests' front-end view): no longer set in "
+                     "RequestState.__init__" for a in REQUEST_STATE_ATTRS if a not in sets]
+    except (ImportError, AttributeError):
+        pass  # reported above with INTERNALS
     params = inspect.signature(_resolve("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc")).parameters
     if not {"method", "timeout", "args", "kwargs"} <= set(params):
         problems.append(f"AsyncLLM.collective_rpc signature changed: {list(params)}")
@@ -322,6 +339,9 @@ class EngineHandle:
         self.draining_retry_after = 0  # > 0: the OpenAI API answers new requests with 503
         self.retry_after_hint = 1  # Retry-After on a 503 from fail_request
         self._sampling: dict[str, Any] = {}  # request id -> SamplingParams (the journal)
+        # requests take_out moved out of the engine core whose client streams this front end
+        # still serves (relayed): not this engine's requests any more
+        self._taken: set[str] = set()
 
     def parse_args(self) -> argparse.Namespace:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -458,7 +478,11 @@ class EngineHandle:
 
     async def verify_live_internals(self) -> None:
         """Fail loudly at start if the running engine lacks an attribute remp relies on."""
-        missing = set(await self.utility(Utility.MISSING_INTERNALS))
+        missing = {f"AsyncLLM.{a}" for a in FRONT_END_ATTRS if not hasattr(self.engine, a)}
+        op = getattr(self.engine, "output_processor", None)
+        missing.update(f"OutputProcessor.{a}" for a in OUTPUT_PROCESSOR_ATTRS
+                       if not hasattr(op, a))
+        missing.update(await self.utility(Utility.MISSING_INTERNALS))
         for per_worker in await self.engine.collective_rpc("remp_missing_internals"):
             missing.update(per_worker)
         if missing:
@@ -512,7 +536,32 @@ class EngineHandle:
         return await self.utility(Utility.ENGINE_INFO)
 
     async def list_requests(self) -> list[dict]:
+        """The engine core's running and waiting requests: exact (status, KV blocks held), but
+        answered between engine steps, and the reply queues behind the steps' outputs (under
+        load: tens to hundreds of ms). Exact at a moment only while generation is paused
+        (:meth:`take_out`); :meth:`request_view` answers at once."""
         return await self.utility(Utility.LIST_REQUESTS)
+
+    def request_view(self) -> list[dict]:
+        """This engine's unfinished requests as the front end (this process) knows them, read
+        without a call into the engine core, so it answers at once while requests stream. Same
+        keys as :meth:`list_requests`. What only the engine core knows: ``status`` is RUNNING
+        once the engine has returned the request's first token and WAITING before (queued or
+        prefilling; a preemption is not visible here), ``output_tokens`` counts the tokens that
+        reached this process (the engine may be a step ahead), ``blocks`` is 0 (unknown here)."""
+        states = self.engine.output_processor.request_states
+        self._taken.intersection_update(states)
+        out = []
+        for rid, st in list(states.items()):
+            if rid in self._taken:  # moved to another node; its stream is relayed
+                continue
+            out.append({"request_id": rid,
+                        "status": "WAITING" if st.is_prefilling else "RUNNING",
+                        "prompt_tokens": st.prompt_len or 0,
+                        "output_tokens": (st.detokenizer.num_output_tokens()
+                                          if st.detokenizer is not None else 0),  # pooling: 0
+                        "max_tokens": st.max_tokens_param or 0, "blocks": 0})
+        return out
 
     async def take_out(self, request_id: str, workdir: str, choose) -> tuple[object, dict | None]:
         """Take one running request out of this engine. Generation pauses; ``choose(info)``
@@ -544,6 +593,7 @@ class EngineHandle:
                 state = await self.utility(Utility.EXPORT_REQUEST, request_id, prefix, with_kv)
             await self.engine.engine_core.abort_requests_async([request_id])
             taken = True
+            self._taken.add(request_id)
         finally:
             await self.resume()
         if state is None:

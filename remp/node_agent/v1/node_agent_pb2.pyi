@@ -52,8 +52,10 @@ class SetDrainingResponse(_message.Message):
     def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("exact",)
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    exact: bool
+    def __init__(self, exact: _Optional[bool] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
     __slots__ = ("request_id", "status", "prompt_tokens", "output_tokens", "max_tokens", "blocks")

@@ -111,7 +111,8 @@ class NodeAgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRequests(self, request, context):
-        """Requests in the engine (internal ids), running and waiting.
+        """Requests in the engine (internal ids), running and waiting. Answered at once from the agent's
+        own front end (no call into the engine core) unless `exact` asks the engine core itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
