@@ -42,13 +42,14 @@ from node_agent.engine_plugin.worker_side import STEP_TIMING_ENV  # noqa: E402
 from remp.common.v1 import types_pb2  # noqa: E402
 
 
-def decode_steps(path: Path) -> list[tuple[int, list[float]]]:
-    """(runner id, decode-step CPU seconds) per runner, in the order the runners served."""
-    by: dict[int, list[float]] = collections.OrderedDict()
+def decode_steps(path: Path) -> list[tuple[int, list[tuple[float, int]]]]:
+    """(runner id, [(decode-step CPU seconds, minor faults)]) per runner, in the order the
+    runners served."""
+    by: dict[int, list[tuple[float, int]]] = collections.OrderedDict()
     for line in path.read_text().splitlines():
-        kind, _start, cpu, _wall, tokens, runner = json.loads(line)
+        kind, _start, cpu, _wall, tokens, runner, faults = json.loads(line)
         if kind == "e" and tokens == 1:
-            by.setdefault(runner, []).append(cpu)
+            by.setdefault(runner, []).append((cpu, faults))
     return list(by.items())
 
 
@@ -76,10 +77,12 @@ def run_agent(i: int, model: Path, tmp: Path, reqs, a) -> list[dict]:
         rank = int(f.stem.rsplit("-r", 1)[1])
         # runners with the one-token steps of the series (not the engine's own warm-up)
         runners = [(rid, xs) for rid, xs in decode_steps(f) if len(xs) >= 50]
-        med = [statistics.median(xs) * 1e3 for _, xs in runners]
+        med = [statistics.median(c for c, _ in xs) * 1e3 for _, xs in runners]
+        faults = [statistics.mean(f for _, f in xs) for _, xs in runners]
         out.append({"agent": i, "rank": rank, "vllm_runner_ms": round(med[0], 3),
                     "remp_runners_ms": [round(m, 3) for m in med[1:]],
                     "steps_per_runner": [len(xs) for _, xs in runners],
+                    "minor_faults_per_step": [round(f, 1) for f in faults],
                     "remp_over_vllm": round(statistics.median(med[1:]) / med[0], 3)
                     if len(med) > 1 else None})
     return out

@@ -224,9 +224,11 @@ def _step_timing(cls, rank: int) -> None:
     """Benchmarks only: with ``$REMP_STEP_TIMING_DIR`` set, every ``execute_model`` and
     ``sample_tokens`` of this worker appends one JSON line to ``steps-<pid>-r<rank>.jsonl``
     there: [kind "e"/"s", start (perf_counter), thread CPU s, wall s, scheduled tokens, id of
-    the model runner] — the forward pass's own CPU time, which other processes on the host
-    barely move, and which runner did it (vLLM's, or one remp built at a switch)."""
+    the model runner, minor page faults of the step's thread] — the forward pass's own CPU time,
+    which other processes on the host barely move, and which runner did it (vLLM's, or one remp
+    built at a switch)."""
     import json
+    import resource
 
     d = os.environ.get(STEP_TIMING_ENV)
     if not d or getattr(cls, "_remp_step_timing", False):
@@ -238,11 +240,14 @@ def _step_timing(cls, rank: int) -> None:
         inner = getattr(cls, name)
 
         def timed(self, arg, *a, **k):
+            f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             c0, w0 = time.thread_time(), time.perf_counter()
             res = inner(self, arg, *a, **k)
             c1, w1 = time.thread_time(), time.perf_counter()
+            faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
             n = getattr(arg, "total_num_scheduled_tokens", -1)
-            out.write(json.dumps([name[0], w0, c1 - c0, w1 - w0, n, id(self.model_runner)]) + "\n")
+            out.write(json.dumps([name[0], w0, c1 - c0, w1 - w0, n, id(self.model_runner),
+                                  faults]) + "\n")
             return res
         setattr(cls, name, timed)
     wrap("execute_model")
