@@ -102,11 +102,17 @@ return 1
 """
 
 _ADVANCE = """
--- KEYS: switch, events;  ARGV: expected_phase, new_phase, record_json, event_json, maxlen
+-- KEYS: switch, events;  ARGV: expected_phase, record_json, maxlen, then one or more pairs
+-- (new_phase, event_json) in order: the phases the agent reported since, each its event; the
+-- record (with the last phase) replaces the stored one
 if redis.call('HGET', KEYS[1], 'outcome') ~= 'running' then return 0 end
 if redis.call('HGET', KEYS[1], 'phase') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'phase', ARGV[2], 'record', ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
+local last = ARGV[1]
+for i = 4, #ARGV - 1, 2 do
+  last = ARGV[i]
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[i + 1])
+end
+redis.call('HSET', KEYS[1], 'phase', last, 'record', ARGV[2])
 return 1
 """
 
@@ -493,15 +499,35 @@ class Store:
     async def switch_for_request(self, node: str, request_id: str) -> str | None:
         return await self._call(self.r.get(self.k_reqid(node, request_id)))
 
+    async def node_and_request(self, node: str, request_id: str
+                               ) -> tuple[dict[str, str] | None, str | None]:
+        """The node's hash (None: unknown) and the switch an earlier request with
+        ``request_id`` started there (None: none, or no request id), in one round trip."""
+        if not request_id:
+            return await self.node(node), None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.k_node(node))
+        pipe.get(self.k_reqid(node, request_id))
+        h, prev = await self._call(pipe.execute())
+        return h or None, prev
+
     async def dispatch(self, switch_id: str) -> bool:
         return bool(await self._run("dispatch", [self.k_switch(switch_id)], []))
 
     async def advance(self, switch_id: str, expected_phase: int, new_phase: int,
                       record_json: str, event: Event) -> bool:
+        return await self.advance_many(switch_id, expected_phase, [(new_phase, event)],
+                                       record_json)
+
+    async def advance_many(self, switch_id: str, expected_phase: int,
+                           steps: list[tuple[int, Event]], record_json: str) -> bool:
+        """The switch from ``expected_phase`` through each of ``steps`` (phase, its event) in
+        one script: the phases an agent reported while the previous write was under way cost
+        one round trip, every event kept. False: not running, or not in ``expected_phase``."""
         # phases as plain numbers (redis-py writes an IntEnum member as its repr)
+        pairs = [x for phase, ev in steps for x in (int(phase), to_json(ev))]
         return bool(await self._run("advance", [self.k_switch(switch_id), self.k_events],
-                                    [int(expected_phase), int(new_phase), record_json,
-                                     to_json(event), EVENTS_MAXLEN]))
+                                    [int(expected_phase), record_json, EVENTS_MAXLEN, *pairs]))
 
     async def finish(self, switch_id: str, node: str, outcome: Outcome, phase: int, record_json: str,
                      observed: str, event: Event) -> bool:
