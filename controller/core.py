@@ -100,6 +100,10 @@ class Controller:
         self.watch_limits = WatchLimits(settings.watch_max_per_caller, settings.watch_max_total)
         self._tasks: set[asyncio.Task] = set()
         self._cache: dict[str, NodeState] = {}  # last known, for stale reads
+        # the leader's last read of each node's hash (reg, observed, ...) that Reconfigure
+        # plans from without reading it again; the slot-taking script checks it is still
+        # current (registration and observed topology), else it is read afresh
+        self._known: dict[str, dict[str, str]] = {}
         self._paused = asyncio.Event()  # test hook: set when a driver froze
         self._t: dict[str, dict[str, float]] = {}  # per-switch driver timestamps (logged)
         from controller.recovery import RecoveryCoordinator
@@ -129,6 +133,7 @@ class Controller:
     async def lead(self) -> None:
         """Taking over: recover unfinished switches (each finished or rolled back from its
         agent's truth, never run twice), start the lease sweeper, resume active rollouts."""
+        self._known.clear()
         for sid in await self.store.unfinished():
             row = await self.store.switch(sid)
             if row is not None:
@@ -143,6 +148,7 @@ class Controller:
         the next leader reconciles them and resumes the rollouts)."""
         await self._cancel_tasks()
         self.rollouts.forget_drivers()
+        self._known.clear()
 
     async def stop(self) -> None:
         await self._cancel_tasks()
@@ -272,7 +278,7 @@ class Controller:
                           reason: str) -> ReconfigureResult:
         self.leadership.require()
         tl = {"rpc_in": time.perf_counter()}  # this switch's timeline (logged when it finishes)
-        for _ in range(3):
+        for _ in range(4):  # the first may have planned from this controller's last read
             resp = await self._reconfigure(name, target, request_id, reason, tl)
             if resp is not None:
                 return resp
@@ -285,22 +291,32 @@ class Controller:
         the switch slot (the decision — noop or from which topology — is made again).
 
         Accept first, check asynchronously: what Redis knows is checked before the answer
-        (unknown node, target, a duplicate request id, lost, draining — one round trip — and
-        busy or held by a rollout in the script that takes the slot); the switch is then
-        recorded (acknowledged by a replica when configured) and answered. The driver then
-        asks the agent's health while it writes the intent to dispatch; an agent that does
-        not answer SERVING ends the switch ROLLED_BACK before anything is sent
-        (``AGENT_UNAVAILABLE``: the node keeps its topology)."""
+        (unknown node, target, a duplicate request id, lost, draining — one round trip, none
+        when this leader read the node before: the slot-taking script then checks that the
+        registration and the observed topology are still those, and lost, draining, busy and
+        held by a rollout as always); the switch is then recorded (acknowledged by a replica
+        when configured) and answered. The driver then asks the agent's health while it
+        writes the intent to dispatch; an agent that does not answer SERVING ends the switch
+        ROLLED_BACK before anything is sent (``AGENT_UNAVAILABLE``: the node keeps its
+        topology)."""
         if not name:
             raise InvalidArgument("node is required")
-        h, prev = await self.store.node_and_request(name, request_id)
-        if h is None:
-            raise NotFound(f"unknown node {name!r} (ListNodes shows the registered ones)")
+        h, prev = self._known.get(name), None
+        known = h is not None
+        if not known:
+            h, prev = await self.store.node_and_request(name, request_id)
+            if h is None:
+                raise NotFound(f"unknown node {name!r} (ListNodes shows the registered ones)")
+            self._known[name] = h
         reg = decode_reg(h)
         tl["node_read"] = time.perf_counter()
         _check_topology_fields(target)
         current = Topology.parse(h.get("observed") or topo_str(reg.topology))
         tgt = Topology(target.tp, target.pp)
+        if known and (tgt == current or h.get("health") == "lost" or h.get("draining") == "1"
+                      or not _fits(reg, current, tgt)):
+            self._known.pop(name, None)  # a noop or a refusal: decided on a fresh read
+            return None
         check_target(facts_of(reg, None), current, tgt)
         if prev:
             return ReconfigureResult(switch_id=prev, duplicate=True)
@@ -325,11 +341,18 @@ class Controller:
         ev = self._event(EventType.SWITCH_PHASE, name, sid,
                          phase=Phase.SERVING_OLD, detail=f"accepted {current} → {tgt}")
         status, other = await self.store.begin(name, sid, request_id, to_json(rec), now,
-                                               str(tgt), ev, observed=h.get("observed", ""))
+                                               str(tgt), ev, observed=h.get("observed", ""),
+                                               reg_json=h.get("reg", ""))
+        if status != "ok":
+            self._known.pop(name, None)
         if status == "notfound":
             raise NotFound(f"unknown node {name!r}")
         if status == "dup":
             return ReconfigureResult(switch_id=other, duplicate=True)
+        if status == "lost":
+            raise Unavailable(f"node {name!r} is lost (its lease expired); it must re-register")
+        if status == "draining":
+            raise FailedPrecondition(f"node {name!r} is draining; it must re-register to serve")
         if status == "busy":
             raise FailedPrecondition(f"switch {other} is running on node {name}; wait for it "
                                      "(Watch) or abort it")
@@ -495,6 +518,9 @@ class Controller:
                                        observed, ev)
         if done:
             metrics.controller().observe(_switch_facts(rec, outcome))
+            if observed and rec.node in self._known:  # the next switch plans from it
+                self._known[rec.node] = {**self._known[rec.node], "observed": observed,
+                                         "current": ""}
         t = self._t.pop(rec.switch_id, {})
         t["finished"] = time.perf_counter()
         t0 = t.get("rpc_in", t.get("accepted", t["finished"]))
@@ -784,6 +810,15 @@ def _check_registration(req: Registration) -> None:
     if req.kv_bandwidth_bps < 0 or req.weight_bandwidth_bps < 0:
         raise InvalidArgument("bandwidths must be >= 0")
     validate.labels("labels", dict(req.labels))
+
+
+def _fits(reg: Registration, current: Topology, target: Topology) -> bool:
+    """Whether ``check_target`` accepts the switch (pure)."""
+    try:
+        check_target(facts_of(reg, None), current, target)
+    except InvalidArgument:
+        return False
+    return True
 
 
 def _check_topology_fields(t: Topology) -> None:

@@ -46,13 +46,19 @@ REQID_TTL_S = 7 * 24 * 3600
 _BEGIN = """
 -- KEYS: node, reqid (or ""), switch, unfinished, history_node, history_all, events
 -- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl,
---       observed (the topology the switch was planned from: it must still be the node's)
+--       observed (the topology the switch was planned from: it must still be the node's),
+--       reg (the registration JSON it was planned from, "": not checked; another → 'moved')
 -- Refuses ('held', rollout id) a node an active rollout holds unless the request id is that
--- rollout's.
+-- rollout's; ('lost') a node whose lease expired, ('draining') one being drained.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
 if KEYS[2] ~= '' then
   local prev = redis.call('GET', KEYS[2])
   if prev then return {'dup', prev} end
+end
+if redis.call('HGET', KEYS[1], 'health') == 'lost' then return {'lost', ''} end
+if redis.call('HGET', KEYS[1], 'draining') == '1' then return {'draining', ''} end
+if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], 'reg') ~= ARGV[11] then
+  return {'moved', redis.call('HGET', KEYS[1], 'observed') or ''}
 end
 local cur = redis.call('HGET', KEYS[1], 'current')
 if cur and cur ~= '' then return {'busy', cur} end
@@ -476,15 +482,17 @@ class Store:
     # ---------------------------------------------------------------- switches
     async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
                     started: float, target: str, event: Event,
-                    observed: str) -> tuple[str, str]:
+                    observed: str, reg_json: str = "") -> tuple[str, str]:
         """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '') |
-        ('moved', observed now): the node's observed topology is no longer ``observed`` (a
-        switch finished or a heartbeat reported another one since it was read)."""
+        ('held', rollout id) | ('lost', '') | ('draining', '') | ('moved', observed now): the
+        node's observed topology is no longer ``observed`` (a switch finished or a heartbeat
+        reported another one since it was read), or its registration no longer ``reg_json``
+        (when given: the agent registered again)."""
         res = await self._run("begin", [
             self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
             self.k_unfinished, self.k_hist(node), self.k_hist(None), self.k_events,
         ], [switch_id, record_json, started, target, request_id, to_json(event), EVENTS_MAXLEN,
-            node, REQID_TTL_S, observed])
+            node, REQID_TTL_S, observed, reg_json])
         return res[0], res[1]
 
     async def noop(self, node: str, switch_id: str, request_id: str, record_json: str,

@@ -244,3 +244,35 @@ def test_what_redis_knows_is_still_answered_synchronously(stub):
     code, _ = code_of(stub.Reconfigure, controller_pb2.ReconfigureRequest(
         node="af4", target=types_pb2.Topology(tp=1, pp=2), request_id="x" * 10_000), timeout=10)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_plan_from_the_leaders_last_read_is_checked_when_the_slot_is_taken(stub, r):
+    """The leader plans a node's next switch from its last read of it, without reading again;
+    the slot-taking script refuses that plan when the node changed meanwhile, and the switch
+    is decided on a fresh read: another registration, a topology a heartbeat reported, a
+    lost node."""
+    address = f"127.0.0.1:{free_port()}"  # nobody listens: every switch ends rolled back
+    stub.RegisterNode(reg("af5", agent=address), timeout=5)
+    first = stub.Reconfigure(to_tp1pp2("af5"), timeout=10)  # the node read, remembered
+    assert wait_final(stub, first.switch_id).error.code == "AGENT_UNAVAILABLE"
+    # registered again without TP1PP2 among its candidates: refused by the new registration
+    stub.RegisterNode(reg("af5", agent=address, candidates=((1, 1), (2, 1))), timeout=5)
+    code, msg = code_of(stub.Reconfigure, to_tp1pp2("af5"), timeout=10)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a candidate" in msg, msg
+    stub.RegisterNode(reg("af5", agent=address), timeout=5)
+    again = stub.Reconfigure(to_tp1pp2("af5"), timeout=10)
+    assert wait_final(stub, again.switch_id).error.code == "AGENT_UNAVAILABLE"
+    # a heartbeat reports TP1PP2 (the agent moved on its own): the same target is a noop now
+    stub.Heartbeat(controller_pb2.HeartbeatRequest(
+        node="af5", topology=types_pb2.Topology(tp=1, pp=2), topology_epoch=1000), timeout=5)
+    noop = stub.Reconfigure(to_tp1pp2("af5"), timeout=10)
+    assert noop.noop, noop
+    # back on TP2PP1 and remembered; then the node is lost: UNAVAILABLE, nothing begun
+    stub.RegisterNode(reg("af5", agent=address), timeout=5)
+    third = stub.Reconfigure(to_tp1pp2("af5"), timeout=10)
+    assert wait_final(stub, third.switch_id).error.code == "AGENT_UNAVAILABLE"
+    r.hset("remp:node:af5", "health", "lost")
+    code, msg = code_of(stub.Reconfigure, to_tp1pp2("af5"), timeout=10)
+    assert code == grpc.StatusCode.UNAVAILABLE and "lost" in msg, msg
+    hist = stub.ListSwitches(controller_pb2.ListSwitchesRequest(node="af5"), timeout=5)
+    assert len(hist.switches) == 4  # three rolled back, one noop
