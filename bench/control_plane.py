@@ -99,12 +99,14 @@ def _wall(ts) -> float:
 
 def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode,
                      ctl_for: dict[str, ControllerProcess] | None = None,
-                     node_for: dict[str, str] | None = None) -> list[dict]:
+                     node_for: dict[str, str] | None = None,
+                     failures: list[dict] | None = None) -> list[dict]:
     """One switch at a time, switch i under ``modes[i]`` (``set_mode`` applies it, on the node
     ``MODES[mode]`` names — or ``node_for[mode]``, through ``ctl_for[mode]``: the --ha run's
     two controllers); per switch the client's wall times plus the timestamps the system
     itself reports (the controller's Event.at, the agent's record started_at / finished_at; all
-    processes share this host's clock), so the overhead splits into where it was spent."""
+    processes share this host's clock), so the overhead splits into where it was spent. With
+    ``failures`` a switch refused or not SUCCEEDED is listed there and the run goes on."""
     out = []
     count: dict[str, int] = {}
     prev = None
@@ -125,7 +127,8 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode,
             opened = threading.Event()
 
             def watch():
-                stream = stub.Watch(controller_pb2.WatchRequest(node=node), timeout=120)
+                stream = got["stream"] = stub.Watch(controller_pb2.WatchRequest(node=node),
+                                                    timeout=120)
                 opened.set()
                 for ev in stream:
                     got["events"].append((time.time(), ev))
@@ -140,8 +143,18 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode,
             opened.wait(10)
             time.sleep(0.2)  # the stream is registered server-side
             w0, t0 = time.time(), time.perf_counter()
-            r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=node, target=target),
-                                 timeout=30)
+            try:
+                r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=node, target=target),
+                                     timeout=30)
+            except grpc.RpcError as exc:
+                if failures is None:
+                    raise
+                got["stream"].cancel()
+                th.join(30)
+                count[node] -= 1  # the same target again next time
+                failures.append({"mode": mode, "error": f"{exc.code().name}: "
+                                 f"{(exc.details() or '')[:300]}"})
+                continue
             t_returned = time.perf_counter()
             got["sid"] = r.switch_id
             th.join(120)
@@ -151,7 +164,16 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode,
                         got["t_done"] = t
             rec = stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=r.switch_id), timeout=10)
             if rec.outcome != types_pb2.SWITCH_OUTCOME_SUCCEEDED:
-                raise RuntimeError(f"switch {r.switch_id} ended {rec.outcome}: {rec.error.message}")
+                if failures is None:
+                    raise RuntimeError(f"switch {r.switch_id} ended {rec.outcome}: "
+                                       f"{rec.error.message}")
+                if rec.outcome in (types_pb2.SWITCH_OUTCOME_ROLLED_BACK,
+                                   types_pb2.SWITCH_OUTCOME_ABORTED):
+                    count[node] -= 1
+                failures.append({"mode": mode, "switch_id": r.switch_id,
+                                 "error": f"{types_pb2.SwitchOutcome.Name(rec.outcome)}: "
+                                          f"{rec.error.message[:300]}"})
+                continue
             e2e = got["t_done"] - t0
             mine = [(t, ev) for t, ev in got["events"] if ev.switch_id == r.switch_id]
             accepted = next(ev for _, ev in mine if ev.phase == types_pb2.PHASE_SERVING_OLD)
@@ -438,9 +460,11 @@ def main_ha(a) -> int:
 
                 tree = own_tree()
                 busy0, tree0, t0 = cpu_busy_s(), cpu_s(tree), time.monotonic()
+                failures: list[dict] = []
                 rows = measure_overhead(ctls["current"], modes, set_mode,
                                         ctl_for={m: ctls[m.split("-")[0]] for m in kinds},
-                                        node_for={m: HA_NODES[m.split("-")[0]] for m in kinds})
+                                        node_for={m: HA_NODES[m.split("-")[0]] for m in kinds},
+                                        failures=failures)
                 busy1, tree1, t1 = cpu_busy_s(), cpu_s(tree), time.monotonic()
         finally:
             for c in ctls.values():
@@ -482,8 +506,8 @@ def main_ha(a) -> int:
                   "controller (TP2PP1<->TP1PP2, tiny model, vLLM CPU, equal priority, worker spin "
                   "0.02 s); switches alternate between the two in pairs"),
         "baseline_rev": base_rev, "current_rev": head + ("+uncommitted" if dirty else ""),
-        **{k: {**summary(by[k]), "controller_timeline_p50_ms": timeline_p50(by[k])}
-           for k in kinds},
+        **{k: {**summary(by[k]), "controller_timeline_p50_ms": timeline_p50(by[k]),
+               "failed": [f for f in failures if f["mode"] == k]} for k in kinds},
         "other_load_cpus": round(max(0.0, (busy1 - busy0) - ours) / (t1 - t0), 2),
         "per_switch": [{k: v for k, v in r.items() if k not in ("e2e_s", "engine_s")}
                        | {"code": r["engine_priority"], "e2e_ms": round(r["e2e_s"] * 1e3, 2),
@@ -507,6 +531,8 @@ def main_ha(a) -> int:
         print(f"controller timeline p50, {k} (ms after the RPC came in): "
               + ", ".join(f"{n} {v:.1f}" for n, v in result[k]["controller_timeline_p50_ms"].items()))
     print(f"other work on this machine during the switches: {result['other_load_cpus']} CPUs")
+    for f in failures:  # refused or not SUCCEEDED: not in the figures above
+        print(f"failed ({f['mode']}): {f['error']}")
     if a.out:
         rows_txt = ",\n    ".join(json.dumps(r, ensure_ascii=False) for r in result["per_switch"])
         text = json.dumps({**result, "per_switch": "@ROWS@"}, indent=2, ensure_ascii=False)
