@@ -130,14 +130,18 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode,
                 stream = got["stream"] = stub.Watch(controller_pb2.WatchRequest(node=node),
                                                     timeout=120)
                 opened.set()
-                for ev in stream:
-                    got["events"].append((time.time(), ev))
-                    if ev.switch_id and ev.switch_id == got.get("sid") and ev.type in DONE:
-                        got["t_done"] = time.perf_counter()
-                        stream.cancel()
-                        return
-                    if ev.type in DONE:  # done before we learnt the id: keep it
-                        got.setdefault("early", []).append((time.perf_counter(), ev))
+                try:
+                    for ev in stream:
+                        got["events"].append((time.time(), ev))
+                        if ev.switch_id and ev.switch_id == got.get("sid") and ev.type in DONE:
+                            got["t_done"] = time.perf_counter()
+                            stream.cancel()
+                            return
+                        if ev.type in DONE:  # done before we learnt the id: keep it
+                            got.setdefault("early", []).append((time.perf_counter(), ev))
+                except grpc.RpcError as exc:  # cancelled by the caller: a refused Reconfigure
+                    if exc.code() != grpc.StatusCode.CANCELLED:
+                        raise
             th = threading.Thread(target=watch)
             th.start()
             opened.wait(10)
