@@ -103,7 +103,7 @@ class Controller:
         # the leader's last read of each node's hash (reg, observed, ...) that Reconfigure
         # plans from without reading it again; the slot-taking script checks it is still
         # current (registration and observed topology), else it is read afresh
-        self._known: dict[str, dict[str, str]] = {}
+        self._known: dict[str, tuple[dict[str, str], Registration]] = {}
         self._paused = asyncio.Event()  # test hook: set when a driver froze
         self._t: dict[str, dict[str, float]] = {}  # per-switch driver timestamps (logged)
         from controller.recovery import RecoveryCoordinator
@@ -141,6 +141,7 @@ class Controller:
                          dispatched=row.dispatched)
                 self.spawn(self._reconcile_forever(row))
         self.spawn(self._sweep_leases())
+        self.spawn(self._keep_switch_lane_warm())
         await self.rollouts.resume_all()
 
     async def step_down(self) -> None:
@@ -301,14 +302,15 @@ class Controller:
         topology)."""
         if not name:
             raise InvalidArgument("node is required")
-        h, prev = self._known.get(name), None
-        known = h is not None
-        if not known:
+        prev, known = None, self._known.get(name)
+        if known is not None:
+            h, reg = known
+        else:
             h, prev = await self.store.node_and_request(name, request_id)
             if h is None:
                 raise NotFound(f"unknown node {name!r} (ListNodes shows the registered ones)")
-            self._known[name] = h
-        reg = decode_reg(h)
+            reg = decode_reg(h)
+            self._known[name] = (h, reg)
         tl["node_read"] = time.perf_counter()
         _check_topology_fields(target)
         current = Topology.parse(h.get("observed") or topo_str(reg.topology))
@@ -519,8 +521,8 @@ class Controller:
         if done:
             metrics.controller().observe(_switch_facts(rec, outcome))
             if observed and rec.node in self._known:  # the next switch plans from it
-                self._known[rec.node] = {**self._known[rec.node], "observed": observed,
-                                         "current": ""}
+                h, reg = self._known[rec.node]
+                self._known[rec.node] = ({**h, "observed": observed, "current": ""}, reg)
         t = self._t.pop(rec.switch_id, {})
         t["finished"] = time.perf_counter()
         t0 = t.get("rpc_in", t.get("accepted", t["finished"]))
@@ -721,6 +723,15 @@ class Controller:
                 ev = parse_event(eid, raw)
                 if sub.matches(ev):
                     yield ev
+
+    async def _keep_switch_lane_warm(self, period: float = 0.5) -> None:
+        """A PING on the switch lane every ``period`` s while leading: a pooled connection idle
+        for more than a second is PINGed before its next command (the stale-connection check,
+        controller.store), which would otherwise be one more round trip inside the first
+        Reconfigure after a quiet second."""
+        while True:
+            await asyncio.sleep(period)
+            await self.store.ping()
 
     async def _sweep_leases(self) -> None:
         period = max(0.2, self.s.lease_seconds / 4)
