@@ -142,17 +142,15 @@ class _Route:
         return "", 0.0
 
 
-class AioControllers:
-    """grpc.aio client of the controllers. ``address``: one host:port, several
-    comma-separated, or a list. ``call("Reconfigure", req)`` follows the leader; ``stub``
-    attribute-style: ``await c.stub.ListNodes(req, timeout=5)`` does the same."""
+class _Controllers:
+    """What both clients hold: the route over the addresses, the credentials, one channel per
+    address, the default timeout."""
 
-    def __init__(self, address: str | Sequence[str], creds: Credentials | None = None, *,
-                 timeout: float = 10.0, retry_s: float = 0.0):
+    def __init__(self, address: str | Sequence[str], creds: Credentials | None,
+                 timeout: float, retry_s: float):
         self._route = _Route(address, retry_s)
         self.timeout, self._creds = timeout, creds
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self.stub = _AioProxy(self)
+        self._channels: dict = {}
 
     @property
     def addresses(self) -> list[str]:
@@ -162,6 +160,17 @@ class AioControllers:
     def address(self) -> str:
         """The controller talked to now (the leader after a write was redirected)."""
         return self._route.address
+
+
+class AioControllers(_Controllers):
+    """grpc.aio client of the controllers. ``address``: one host:port, several
+    comma-separated, or a list. ``call("Reconfigure", req)`` follows the leader; ``stub``
+    attribute-style: ``await c.stub.ListNodes(req, timeout=5)`` does the same."""
+
+    def __init__(self, address: str | Sequence[str], creds: Credentials | None = None, *,
+                 timeout: float = 10.0, retry_s: float = 0.0):
+        super().__init__(address, creds, timeout, retry_s)
+        self.stub = _AioProxy(self)
 
     def _stub(self, address: str) -> controller_pb2_grpc.ControllerStub:
         ch = self._channels.get(address)
@@ -271,25 +280,15 @@ class _AioProxy:
         return call
 
 
-class SyncControllers:
+class SyncControllers(_Controllers):
     """Blocking client of the controllers (the CLI), with the same following as
     :class:`AioControllers`. A context manager; ``stub.Reconfigure(req, timeout=30)`` follows
     the leader; the exception of the last attempt (grpc.RpcError) is raised as it is."""
 
     def __init__(self, address: str | Sequence[str], creds: Credentials | None = None, *,
                  timeout: float = 10.0, retry_s: float = 0.0):
-        self._route = _Route(address, retry_s)
-        self.timeout, self._creds = timeout, creds
-        self._channels: dict[str, grpc.Channel] = {}
+        super().__init__(address, creds, timeout, retry_s)
         self.stub = _SyncProxy(self)
-
-    @property
-    def addresses(self) -> list[str]:
-        return self._route.addresses
-
-    @property
-    def address(self) -> str:
-        return self._route.address
 
     def channel(self, address: str | None = None) -> grpc.Channel:
         a = address or self.address
