@@ -31,6 +31,7 @@ PAIRS: tuple[tuple[type, type[Message]], ...] = (
     (m.PhaseTiming, types_pb2.PhaseTiming),
     (m.SwitchRecord, types_pb2.SwitchRecord),
     (m.HostFacts, types_pb2.HostFacts),
+    (m.WorkerInfo, types_pb2.WorkerInfo),
     (m.ModelFacts, types_pb2.ModelFacts),
     (m.TrafficSample, types_pb2.TrafficSample),
     (m.RecoveryDecision, types_pb2.RecoveryDecision),

@@ -173,8 +173,9 @@ class Controller:
         t = req.topology
         observed = topo_str(t) if t is not None and t.tp and t.pp else ""
         traffic = to_json(req.traffic) if req.traffic is not None else ""
+        workers = to_json(Heartbeat(workers=req.workers)) if req.workers else ""
         await self.leases.heartbeat(req.node, self.clock() + self.s.lease_seconds, observed,
-                                    traffic, req.topology_epoch)
+                                    traffic, req.topology_epoch, workers)
         # the journal a lost node's requests are recovered from (replaced every heartbeat)
         kept, dropped = journal_entries(req.inflight)
         if dropped:
@@ -200,6 +201,7 @@ class Controller:
             epoch=int(h.get("epoch", 0) or 0), host=reg.host or HostFacts(),
             model=reg.model or ModelFacts(), recommendation=h.get("recommendation", ""),
             labels=reg.labels, rollout_id=h.get("rollout", ""),
+            workers=from_json(h["workers"], Heartbeat).workers if h.get("workers") else (),
             current_switch=(from_json(current.record_json, SwitchRecord)
                             if current is not None else None))
 

@@ -124,6 +124,23 @@ class HostFacts:
 
 
 @dataclass(frozen=True)
+class WorkerInfo:
+    """One worker as its agent reports it (``WorkerInfo``; ``state`` is the proto's number)."""
+
+    rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    state: int = 0
+    pid: int = 0
+    rss_bytes: int = 0
+    kv_resident_bytes: int = 0
+    device: str = ""
+    model_bytes: int = 0
+    device_memory_bytes: int = 0
+    released: bool = False
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     path: str = ""
     architecture: str = ""
@@ -202,6 +219,7 @@ class Heartbeat:
     traffic: TrafficSample | None = None
     inflight: tuple[InflightRequest, ...] = ()
     topology_epoch: int = 0
+    workers: tuple[WorkerInfo, ...] = ()
 
 
 @dataclass
@@ -240,6 +258,7 @@ class NodeState:
     recommendation: str = ""
     labels: tuple[tuple[str, str], ...] = ()
     rollout_id: str = ""
+    workers: tuple[WorkerInfo, ...] = ()  # as the last heartbeat reported them
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,8 @@ return redis.call('HGET', KEYS[1], 'epoch')
 _HEARTBEAT = """
 -- KEYS: node, traffic list;  ARGV: lease_until, observed ("" keeps it), traffic_json, keep,
 --   topology_epoch (the node epoch the agent's topology is known to be current for: the last
---   switch it finished, or the epoch its registration was answered with)
+--   switch it finished, or the epoch its registration was answered with), workers_json (""
+--   keeps the last: an agent that sent none)
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'lease_until', ARGV[1], 'health', 'ready')
 local cur = redis.call('HGET', KEYS[1], 'current')
@@ -156,6 +157,7 @@ if ARGV[3] ~= '' then
   redis.call('RPUSH', KEYS[2], ARGV[3])
   redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
 end
+if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'workers', ARGV[6]) end
 return 1
 """
 
@@ -420,9 +422,10 @@ class Store:
         return int(epoch or 0)
 
     async def heartbeat(self, name: str, lease_until: float, observed: str, traffic: str,
-                        topology_epoch: int = 0) -> None:
+                        topology_epoch: int = 0, workers: str = "") -> None:
         ok = await self._run("heartbeat", [self.k_node(name), self.k_traffic(name)],
-                             [lease_until, observed, traffic, TRAFFIC_KEEP, topology_epoch])
+                             [lease_until, observed, traffic, TRAFFIC_KEEP, topology_epoch,
+                              workers])
         if not ok:
             raise NotFound(f"node {name!r} is not registered (register first)")
 

@@ -84,6 +84,7 @@ URL = Rule(256, r"[A-Za-z0-9._~:/\[\]%@-]", whole=r"https?://[A-Za-z0-9._~:/\[\]
            note=", an http:// or https:// URL")
 NAME = Rule(128, "[A-Za-z0-9._+-]")
 HOSTNAME = Rule(253, "[A-Za-z0-9._-]")
+DEVICE = Rule(64, "[A-Za-z0-9._:-]", note=' (a device like "cpu" or "cuda:3")')
 PAGE_TOKEN = Rule(12, "[0-9]", note=" (a token this server returned)")
 REASON = Rule(1024, None)
 PATH = Rule(4096, None)
@@ -114,6 +115,7 @@ RULES: dict = {
     "page_token": PAGE_TOKEN,
     "hostname": HOSTNAME,
     "device_type": NAME,
+    "device": DEVICE,
     "device_names": LABEL,
     "path": PATH,
     "architecture": NAME,

@@ -102,7 +102,25 @@ def node_view(n: controller_pb2.NodeState) -> dict:
                  "device_count": n.host.device_count},
         "model": {"path": n.model.path, "architecture": n.model.architecture,
                   "dtype": n.model.dtype, "num_layers": n.model.num_layers},
+        "workers": [worker_view(w) for w in n.workers],
     }
+
+
+def worker_view(w) -> dict:
+    return {"rank": w.rank, "state": types_pb2.WorkerState.Name(w.state).removeprefix(
+                "WORKER_STATE_") if w.state in types_pb2.WorkerState.values() else str(w.state),
+            "device": w.device, "model_bytes": w.model_bytes,
+            "device_memory_bytes": w.device_memory_bytes, "released": w.released}
+
+
+def held_now(n: controller_pb2.NodeState) -> dict:
+    """The GPUs a node holds now as its agent measured them (its last heartbeat's workers):
+    released ranks hold no weights, KV or device memory. ``reported`` False: no report yet."""
+    return {"reported": bool(n.workers),
+            "released": [w.rank for w in n.workers if w.released],
+            "holding": [w.rank for w in n.workers if not w.released],
+            "model_bytes": sum(w.model_bytes for w in n.workers),
+            "device_memory_bytes": sum(w.device_memory_bytes for w in n.workers)}
 
 
 def event_view(e: controller_pb2.Event) -> dict:
@@ -333,7 +351,7 @@ def saving_view(n: controller_pb2.NodeState, samples, switches, recommendation=N
     host = host_gpus(n)
     return {
         "node": n.node, "host_gpus": host, "gpus_now": _world(n.observed),
-        "observed": topo(n.observed),
+        "observed": topo(n.observed), "held_now": held_now(n),
         "days": gpu_hours_by_day(samples, switches, n.observed, host),
         "recommendation": recommendation_view(recommendation) if recommendation is not None else None,
         "recommendation_error": recommendation_error,

@@ -74,6 +74,10 @@ class NodeAgent:
             bandwidth_limit_bps=cfg.settings.migration_bandwidth_limit,
             max_concurrent=cfg.settings.max_concurrent_migrations)
         self._exclusive: str | None = None  # what holds the engine besides a switch
+        # the workers' facts and the (topology, epoch, engine restarts) they were read at: read
+        # again once any of those changed (heartbeats carry them; reading costs a worker RPC)
+        self._worker_facts: tuple[tuple, list[dict]] | None = None
+        self._facts_task: asyncio.Task | None = None
         # test-only controls (the FaultInjection service): None unless the setting is on
         self.faults = ArmedFaults() if cfg.settings.enable_fault_injection else None
 
@@ -277,6 +281,35 @@ class NodeAgent:
         self.records[rec.switch_id] = rec
         while len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
+
+    def worker_facts_nowait(self) -> list[dict]:
+        """The workers' facts if read at the current topology, else [] and a read starts in the
+        background (heartbeats must not wait for the workers: the lease would run out)."""
+        key = (str(self.topology), self.topology_epoch, self.engine_restarts)
+        if self._worker_facts is not None and self._worker_facts[0] == key:
+            return self._worker_facts[1]
+        if self._facts_task is None or self._facts_task.done():
+            self._facts_task = asyncio.get_running_loop().create_task(self.worker_facts())
+        return []
+
+    async def worker_facts(self) -> list[dict]:
+        """Each worker's facts (:meth:`RempWorkerExtension.remp_worker_info`: state, what it
+        holds, whether released), read once per topology: [] while no engine serves or a switch
+        runs, or when the workers do not answer in 10 s (the next call tries again)."""
+        key = (str(self.topology), self.topology_epoch, self.engine_restarts)
+        if self._worker_facts is not None and self._worker_facts[0] == key:
+            return self._worker_facts[1]
+        if self.status != "serving" or self.engine is None or self.current is not None:
+            return []
+        try:
+            facts = sorted(await asyncio.wait_for(self.engine.worker_info(), timeout=10),
+                           key=lambda w: w["rank"])
+        except (asyncio.TimeoutError, RuntimeError) as exc:
+            log.warning("agent.worker_facts_failed", error=str(exc))
+            return []
+        if key == (str(self.topology), self.topology_epoch, self.engine_restarts):
+            self._worker_facts = (key, facts)
+        return facts
 
     async def snapshot(self) -> AgentSnapshot:
         workers: list[dict] = []

@@ -61,6 +61,17 @@ def model_to_proto(m: ModelFacts, dtype: str, max_model_len: int) -> types_pb2.M
     )
 
 
+def worker_to_proto(w: dict) -> types_pb2.WorkerInfo:
+    """One worker's facts (``remp_worker_info``) as the Describe reply and heartbeats carry them."""
+    return types_pb2.WorkerInfo(
+        rank=w["rank"], tp_rank=w["tp_rank"], pp_rank=w["pp_rank"],
+        state=(types_pb2.WORKER_STATE_STANDBY if w.get("standby")
+               else types_pb2.WORKER_STATE_ACTIVE), pid=w["pid"], rss_bytes=w["rss_bytes"],
+        kv_resident_bytes=w.get("kv_resident_bytes", 0), device=w.get("device", ""),
+        model_bytes=w.get("model_bytes", 0), device_memory_bytes=w.get("device_memory_bytes", 0),
+        released=w.get("released", False))
+
+
 def describe_to_proto(d: AgentSnapshot) -> node_agent_pb2.DescribeResponse:
     cfg = d.config
     return node_agent_pb2.DescribeResponse(
@@ -73,15 +84,7 @@ def describe_to_proto(d: AgentSnapshot) -> node_agent_pb2.DescribeResponse:
         vllm_version=d.vllm_version,
         agent_version=d.agent_version,
         http_address=d.http_address,
-        workers=[
-            types_pb2.WorkerInfo(
-                rank=w["rank"], tp_rank=w["tp_rank"], pp_rank=w["pp_rank"],
-                state=(types_pb2.WORKER_STATE_STANDBY if w.get("standby")
-                       else types_pb2.WORKER_STATE_ACTIVE), pid=w["pid"], rss_bytes=w["rss_bytes"],
-                kv_resident_bytes=w.get("kv_resident_bytes", 0),
-            )
-            for w in d.workers
-        ],
+        workers=[worker_to_proto(w) for w in d.workers],
         current_switch_id=d.current_switch_id,
         world_size=d.topology.world_size,
         engine=engine_info_to_proto(d.engine) if d.engine else None,

@@ -86,7 +86,8 @@ async def heartbeat_request(agent: "NodeAgent", window: TrafficWindow
     return controller_pb2.HeartbeatRequest(
         node=agent.cfg.settings.node, topology=convert.topology_to_proto(agent.topology),
         engine_status=convert.ENGINE_STATUS.get(agent.status, 0), traffic=traffic,
-        inflight=inflight, topology_epoch=agent.topology_epoch)
+        inflight=inflight, topology_epoch=agent.topology_epoch,
+        workers=[convert.worker_to_proto(w) for w in agent.worker_facts_nowait()])
 
 
 async def keep_registered(agent: "NodeAgent", controller: str, agent_address: str,

@@ -136,6 +136,10 @@ def node_line(n: dict) -> str:
         s += f"\n{'':16} labels " + ",".join(f"{k}={v}" for k, v in n["labels"].items())
     if n.get("rollout_id"):
         s += f"\n{'':16} held by rollout {n['rollout_id']}"
+    released = [w["rank"] for w in n.get("workers", []) if w["released"]]
+    if released:
+        s += f"\n{'':16} released (measured): rank{'s' if len(released) > 1 else ''} " + \
+            ", ".join(map(str, released))
     return s
 
 

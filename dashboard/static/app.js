@@ -501,6 +501,11 @@ async function refreshSaving() {
         h("td", {}, d.fraction === null ? "—" : `${(d.fraction * 100).toFixed(1)} %`),
         h("td", {}, `${num(d.saved_gpu_hours, 2)} GPU-h`)));
     }
+    const held = s.held_now;
+    recs.push(h("li", { dataset: { savingHeld: s.node } }, !held.reported
+      ? `${s.node}: ${s.gpus_now}/${s.host_gpus} GPUs (${s.observed || "—"}); released ranks not reported yet`
+      : `${s.node}: holds ${held.holding.length}/${s.host_gpus} GPUs (${s.observed || "—"})` +
+        (held.released.length ? `; released, measured by the agent: ranks ${held.released.join(", ")}` : "")));
     recs.push(h("li", { dataset: { savingRec: s.node } }, recText(s.node, s.recommendation, s.recommendation_error)));
   }
   $("#saving-table tbody").replaceChildren(...rows);

@@ -162,7 +162,7 @@ SCHEDULER_ATTRS = ("running", "waiting", "requests", "prev_step_scheduled_req_id
 KV_MANAGER_ATTRS = ("block_pool", "watermark_blocks")
 BLOCK_POOL_ATTRS = ("blocks", "free_block_queue", "num_gpu_blocks")
 EXECUTOR_ATTRS = ("world_size", "output_rank")
-WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config")
+WORKER_ATTRS = ("model_runner", "rank", "local_rank", "vllm_config", "device")
 # The front end's own view of its requests (ListRequests, answered without the engine core):
 # AsyncLLM and its OutputProcessor are checked live at start; a RequestState exists only while a
 # request does, so check_internals checks that RequestState.__init__ still sets these.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import math
 import mmap
 import os
@@ -159,6 +160,30 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+    # on a GPU: blocks the dropped model and KV held go back to the driver (a STANDBY rank's
+    # device memory is then free for other work; WorkerInfo.device_memory_bytes shows it)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _model_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers (a tensor shared by two names counted once)."""
+    if model is None:
+        return 0
+    seen, total = set(), 0
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        key = (t.device, t.data_ptr())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _device_reserved_bytes(device) -> int:
+    """Bytes the accelerator's caching allocator reserves on ``device`` (0 on CPU)."""
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return 0
+    return int(torch.cuda.memory_reserved(device))
 
 
 def _resident_bytes(t: torch.Tensor) -> int:
@@ -271,8 +296,23 @@ class RempWorkerExtension:
                       if isinstance(t, torch.Tensor) and t.numel()), None)
         kv_layout = ({"rest": list(first.shape[2:]), "dtype": str(first.dtype).split(".")[-1]}
                      if first is not None else None)
+        runner = self.model_runner
+        standby = _is_standby(runner)
+        st = getattr(self, "_remp", None)
+        cached = [r for r, _ctx in (st.runner_cache.values() if st is not None else ())]
+        model_bytes = _model_bytes(getattr(runner, "model", None)) + sum(
+            _model_bytes(getattr(r, "model", None)) for r in cached)
+        kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches
+                       if isinstance(t, torch.Tensor))
+        device = getattr(self, "device", None)
+        device_bytes = _device_reserved_bytes(device)
         return {
             "rank": self.rank,
+            "device": str(device) if device is not None else "",
+            "model_bytes": model_bytes,
+            "device_memory_bytes": device_bytes,
+            # nothing of the model or its KV left on this rank: on a GPU its memory is free
+            "released": standby and model_bytes == 0 and kv_bytes == 0 and device_bytes == 0,
             "kv_resident_bytes": kv_resident,
             "tp_rank": ps.get_tensor_model_parallel_rank(),
             "tp_size": ps.get_tensor_model_parallel_world_size(),

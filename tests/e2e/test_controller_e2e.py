@@ -175,6 +175,17 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
     st = call(ctl, "GetState", controller_pb2.GetStateRequest(node=NODE), md=False)
     assert (st.observed.tp, st.observed.pp) == (1, 2) == agent_topology(agent)
     assert not st.HasField("current_switch")
+    # the agent's heartbeats carry its workers' facts, read again after the switch (the first
+    # heartbeat after it starts the read, a later one carries them)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = call(ctl, "GetState", controller_pb2.GetStateRequest(node=NODE), md=False)
+        if [(w.tp_rank, w.pp_rank) for w in st.workers] == [(0, 0), (0, 1)]:
+            break
+        time.sleep(0.5)
+    assert [(w.rank, w.tp_rank, w.pp_rank) for w in st.workers] == [(0, 0, 0), (1, 0, 1)]
+    assert all(w.device == "cpu" and w.model_bytes > 0 and not w.released and
+               w.state == types_pb2.WORKER_STATE_ACTIVE for w in st.workers)
     hist = call(ctl, "ListSwitches", controller_pb2.ListSwitchesRequest(node=NODE), md=False)
     top = hist.switches[0]
     assert top.switch_id == sid and top.request_id == "grpcurl-1" and top.reason == "e2e"

@@ -100,8 +100,15 @@ def test_grow_and_shrink_are_token_exact(agent, reference):
         d = agent.describe()
         assert (d.topology.tp, d.topology.pp) == (tp, pp) and d.engine.num_blocks == rec.pool_blocks_after
         assert states(agent) == ([ACTIVE, STANDBY] if new_w == 1 else [ACTIVE, ACTIVE])
+        # what each rank holds, measured by the worker: a parked rank holds no model and no KV
+        # and reports itself released; an active one holds its shard
+        assert all(w.device == "cpu" and w.device_memory_bytes == 0 for w in d.workers)
+        assert d.workers[0].model_bytes > 0 and not d.workers[0].released
         if new_w == 1:  # parked: no KV pages, no model
             assert d.workers[1].kv_resident_bytes == 0
+            assert d.workers[1].model_bytes == 0 and d.workers[1].released
+        else:
+            assert d.workers[1].model_bytes > 0 and not d.workers[1].released
         prev = (tp, pp)
 
 

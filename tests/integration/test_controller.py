@@ -539,3 +539,25 @@ def test_rollout_errors_answer_their_status_and_labels_are_registered(stub):
         rollout_id="ro-none"), timeout=5)
     assert code == grpc.StatusCode.INVALID_ARGUMENT  # no action
     assert not stub.ListRollouts(controller_pb2.ListRolloutsRequest(), timeout=5).rollouts
+
+
+def test_heartbeat_workers_are_kept_until_the_next_report(stub):
+    """Each worker's facts (released ranks among them) reach GetState; a heartbeat without any
+    keeps the last; a device name outside its bounds is INVALID_ARGUMENT."""
+    stub.RegisterNode(reg("a9"), timeout=5)
+    workers = [types_pb2.WorkerInfo(rank=0, state=types_pb2.WORKER_STATE_ACTIVE, device="cpu",
+                                    model_bytes=1 << 20),
+               types_pb2.WorkerInfo(rank=1, state=types_pb2.WORKER_STATE_STANDBY, device="cpu",
+                                    released=True)]
+    stub.Heartbeat(controller_pb2.HeartbeatRequest(node="a9", workers=workers), timeout=5)
+    stub.Heartbeat(controller_pb2.HeartbeatRequest(node="a9"), timeout=5)
+    st = stub.GetState(controller_pb2.GetStateRequest(node="a9"), timeout=5)
+    assert [(w.rank, w.released, w.model_bytes, w.device) for w in st.workers] == [
+        (0, False, 1 << 20, "cpu"), (1, True, 0, "cpu")]
+    assert st.workers[1].state == types_pb2.WORKER_STATE_STANDBY
+    listed = {n.node: n for n in stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).nodes}
+    assert [w.released for w in listed["a9"].workers] == [False, True]
+    code, details = code_of(stub.Heartbeat, controller_pb2.HeartbeatRequest(
+        node="a9", workers=[types_pb2.WorkerInfo(rank=0, device="cuda:0\n; rm -rf /")]),
+        timeout=5)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "workers[0].device" in details

@@ -68,3 +68,26 @@ def test_saving_view_host_is_the_largest_candidate_and_nan_is_null():
         ("TP2PP1", 2, [2, 3], 1.5)
     assert r["error_budget_requests"] is None  # NaN is not JSON
     assert views.saving_view(n, [], [], None, "NOT_FOUND: x")["recommendation"] is None
+
+
+def test_held_now_is_what_the_agent_measured():
+    n = controller_pb2.NodeState(node="n", observed=T(tp=1, pp=1),
+                                 candidates=[T(tp=1, pp=1), T(tp=2, pp=1)])
+    assert views.saving_view(n, [], [], None)["held_now"] == {
+        "reported": False, "released": [], "holding": [], "model_bytes": 0,
+        "device_memory_bytes": 0}
+    n.workers.extend([
+        types_pb2.WorkerInfo(rank=0, state=types_pb2.WORKER_STATE_ACTIVE, device="cuda:0",
+                             model_bytes=100, device_memory_bytes=300),
+        # STANDBY but still holding memory (e.g. a runner kept by --cache-runners): not released
+        types_pb2.WorkerInfo(rank=1, state=types_pb2.WORKER_STATE_STANDBY, device="cuda:1",
+                             model_bytes=50, device_memory_bytes=60),
+        types_pb2.WorkerInfo(rank=2, state=types_pb2.WORKER_STATE_STANDBY, device="cuda:2",
+                             released=True)])
+    held = views.saving_view(n, [], [], None)["held_now"]
+    assert (held["reported"], held["released"], held["holding"]) == (True, [2], [0, 1])
+    assert (held["model_bytes"], held["device_memory_bytes"]) == (150, 360)
+    assert [w["state"] for w in views.node_view(n)["workers"]] == ["ACTIVE", "STANDBY", "STANDBY"]
+    from ops.commands import node_line
+
+    assert "released (measured): rank 2" in node_line(views.node_view(n))

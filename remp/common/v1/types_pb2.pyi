@@ -234,7 +234,7 @@ class ModelFacts(_message.Message):
     def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "tp_rank", "pp_rank", "state", "pid", "rss_bytes", "kv_resident_bytes")
+    __slots__ = ("rank", "tp_rank", "pp_rank", "state", "pid", "rss_bytes", "kv_resident_bytes", "device", "model_bytes", "device_memory_bytes", "released")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,10 @@ class WorkerInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     tp_rank: int
     pp_rank: int
@@ -249,7 +253,11 @@ class WorkerInfo(_message.Message):
     pid: int
     rss_bytes: int
     kv_resident_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., kv_resident_bytes: _Optional[int] = ...) -> None: ...
+    device: str
+    model_bytes: int
+    device_memory_bytes: int
+    released: bool
+    def __init__(self, rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., kv_resident_bytes: _Optional[int] = ..., device: _Optional[str] = ..., model_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class TrafficSample(_message.Message):
     __slots__ = ("at", "window_seconds", "requests", "input_tokens", "output_tokens", "running", "waiting")

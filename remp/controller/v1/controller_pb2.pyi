@@ -148,20 +148,22 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node", "topology", "engine_status", "traffic", "inflight", "topology_epoch")
+    __slots__ = ("node", "topology", "engine_status", "traffic", "inflight", "topology_epoch", "workers")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     node: str
     topology: _types_pb2.Topology
     engine_status: _types_pb2.EngineStatus
     traffic: _types_pb2.TrafficSample
     inflight: _containers.RepeatedCompositeFieldContainer[InflightRequest]
     topology_epoch: int
-    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ..., inflight: _Optional[_Iterable[_Union[InflightRequest, _Mapping]]] = ..., topology_epoch: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.WorkerInfo]
+    def __init__(self, node: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., engine_status: _Optional[_Union[_types_pb2.EngineStatus, str]] = ..., traffic: _Optional[_Union[_types_pb2.TrafficSample, _Mapping]] = ..., inflight: _Optional[_Iterable[_Union[InflightRequest, _Mapping]]] = ..., topology_epoch: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[_types_pb2.WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class InflightRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "max_tokens", "temperature", "ignore_eos")
@@ -260,7 +262,7 @@ class GetStateRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("node", "agent_address", "http_address", "desired", "observed", "candidates", "health", "lease_age_seconds", "current_switch", "epoch", "stale", "host", "model", "recommendation", "labels", "rollout_id")
+    __slots__ = ("node", "agent_address", "http_address", "desired", "observed", "candidates", "health", "lease_age_seconds", "current_switch", "epoch", "stale", "host", "model", "recommendation", "labels", "rollout_id", "workers")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class NodeState(_message.Message):
     RECOMMENDATION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     node: str
     agent_address: str
     http_address: str
@@ -300,7 +303,8 @@ class NodeState(_message.Message):
     recommendation: str
     labels: _containers.ScalarMap[str, str]
     rollout_id: str
-    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., desired: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., observed: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., health: _Optional[_Union[NodeHealth, str]] = ..., lease_age_seconds: _Optional[float] = ..., current_switch: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., epoch: _Optional[int] = ..., stale: _Optional[bool] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., recommendation: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., rollout_id: _Optional[str] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[_types_pb2.WorkerInfo]
+    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., desired: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., observed: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., health: _Optional[_Union[NodeHealth, str]] = ..., lease_age_seconds: _Optional[float] = ..., current_switch: _Optional[_Union[_types_pb2.SwitchRecord, _Mapping]] = ..., epoch: _Optional[int] = ..., stale: _Optional[bool] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., recommendation: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., rollout_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[_types_pb2.WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("node", "target")
