@@ -20,3 +20,71 @@ def emit(result: dict, out: Path | None, as_json: bool) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
     if as_json:
         print(json.dumps(result))
+
+
+# The machine monitor's child: sleeps 5 ms at a time and prints every gap over the threshold as
+# "start end" (CLOCK_MONOTONIC, shared by every process here) until stdin closes.
+_PAUSE_CHILD = r"""
+import os, select, sys, time
+thr = float(sys.argv[1])
+last = time.monotonic()
+while not select.select([sys.stdin], [], [], 0.005)[0]:
+    now = time.monotonic()
+    if now - last > thr:
+        print(f"{last:.6f} {now:.6f}", flush=True)
+    last = now
+"""
+
+
+class PauseMonitor:
+    """Times when the machine ran nothing of ours: a process at the highest priority allowed
+    (nice -20 where permitted) that wakes every 5 ms records each gap over ``threshold_s``.
+
+    Why: on the 2-core VMs this project measures on, a nice -20 sleeper saw no gap over 0.1 s in
+    60 s idle, and gaps of 0.2-2.6 s while an agent decoded 4 streams (2026-12-04) — the whole
+    VM stalls under load (the host throttling its vCPUs; a nice -20 ``ps`` sampler skipped 4.7 s
+    in the same window). A latency measured across such a gap is the machine's, not the code's;
+    benchmarks report the pauses and their figures with and without the calls that overlap one.
+    """
+
+    def __init__(self, threshold_s: float = 0.1):
+        self.threshold_s = threshold_s
+        self.pauses: list[tuple[float, float]] = []
+        self.priority = "nice 0"
+        self._proc = None
+
+    def __enter__(self) -> "PauseMonitor":
+        import subprocess
+        import sys
+
+        def raise_priority():
+            try:
+                os.nice(-20)
+            except OSError:
+                pass
+        self._proc = subprocess.Popen([sys.executable, "-c", _PAUSE_CHILD, str(self.threshold_s)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      preexec_fn=raise_priority)
+        try:
+            self.priority = f"nice {os.getpriority(os.PRIO_PROCESS, self._proc.pid)}"
+        except OSError:
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out, _ = self._proc.communicate(input="", timeout=30)
+        self.pauses = [tuple(map(float, line.split())) for line in out.splitlines() if line]
+
+    def overlaps(self, t0: float, t1: float) -> bool:
+        """Whether [t0, t1] (time.monotonic) overlaps a recorded pause."""
+        return any(a < t1 and b > t0 for a, b in self.pauses)
+
+    def paused_s(self, t0: float, t1: float) -> float:
+        """Seconds of recorded pauses inside [t0, t1]."""
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self.pauses)
+
+    def summary(self) -> dict:
+        gaps = sorted(b - a for a, b in self.pauses)
+        return {"threshold_s": self.threshold_s, "monitor_priority": self.priority,
+                "count": len(gaps), "total_s": round(sum(gaps), 3),
+                "max_s": round(gaps[-1], 3) if gaps else 0.0}
