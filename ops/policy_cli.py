@@ -143,6 +143,11 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--dwell-override", type=float, help="goodput only")
     sv.add_argument("--retry-backoff-seconds", type=float)
     sv.add_argument("--max-decisions", type=int)
+    sv.add_argument("--rollout-min-nodes", type=int,
+                    help="auto mode: this many nodes or more making the same move (not a "
+                         "scale-up) go as one rollout with a capacity floor (0 or 1: never)")
+    sv.add_argument("--rollout-headroom", type=float,
+                    help="a rollout's floor covers the nodes' forecast load times this")
 
 
 def _profile_parser(sub) -> None:

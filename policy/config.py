@@ -59,6 +59,11 @@ class PolicySettings(BaseSettings):
                                          "get an answer, wait this long before asking again (same "
                                          "request id)")
     max_decisions: int = Field(50_000, ge=10, description="decisions kept (memory and Redis)")
+    rollout_min_nodes: int = Field(2, ge=0, description="auto mode: this many nodes or more "
+                                   "making the same move (not a scale-up) go as one rollout with "
+                                   "a capacity floor; 0 or 1: node by node")
+    rollout_headroom: float = Field(1.2, ge=1, description="a rollout's capacity floor covers "
+                                    "the nodes' forecast load times this")
 
     @model_validator(mode="after")
     def _check(self) -> "PolicySettings":

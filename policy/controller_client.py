@@ -49,7 +49,7 @@ def node_view(st: controller_pb2.NodeState) -> NodeView:
     return NodeView(st.node, _topo(st.observed),
                     tuple(t for t in (_topo(c) for c in st.candidates) if t is not None),
                     _HEALTH.get(st.health, "unknown") if not st.HasField("current_switch")
-                    else "switching", st.recommendation)
+                    else "switching", st.recommendation, st.rollout_id)
 
 
 def sample_of(t: types_pb2.TrafficSample) -> Sample:
@@ -111,6 +111,15 @@ class GrpcController:
         r = await self._call("Reconfigure", controller_pb2.ReconfigureRequest(
             node=node, target=topo_to_proto(target), request_id=request_id, reason=reason))
         return ReconfigureResult(r.switch_id, r.noop, r.duplicate)
+
+    async def rollout(self, nodes: list[str], target: Topology, capacity_floor: float,
+                      max_parallel: int, capacity_rps: dict[str, float], request_id: str,
+                      reason: str) -> tuple[str, bool]:
+        r = await self._call("Rollout", controller_pb2.RolloutRequest(
+            nodes=nodes, target=topo_to_proto(target), capacity_floor=capacity_floor,
+            max_parallel=max_parallel, capacity_rps=capacity_rps, request_id=request_id,
+            reason=reason))
+        return r.rollout.rollout_id, r.duplicate
 
     async def record_recommendation(self, node: str, recommended: Topology, reason: str,
                                     decision_id: str) -> None:

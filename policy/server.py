@@ -39,6 +39,8 @@ def build_service(s: PolicySettings, creds: Credentials
     svc = PolicyService(profile, ctl, slo=slo, config=s.policy_config(),
                         window_s=s.window_seconds, default_mode=s.mode, store=store,
                         retry_backoff_s=s.retry_backoff_seconds, max_decisions=s.max_decisions,
+                        rollout_min_nodes=s.rollout_min_nodes,
+                        rollout_headroom=s.rollout_headroom,
                         objective=s.objective, scale=s.scale_config())
     return svc, ctl, store
 

@@ -83,6 +83,7 @@ class NodeView:
     candidates: tuple[Topology, ...]
     health: str  # ready | switching | lost | unknown
     recommendation: str = ""
+    rollout_id: str = ""  # the active rollout holding the node ("" when none)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ class ControllerPort(Protocol):
 
     async def reconfigure(self, node: str, target: Topology, request_id: str,
                           reason: str) -> ReconfigureResult: ...
+
+    async def rollout(self, nodes: list[str], target: Topology, capacity_floor: float,
+                      max_parallel: int, capacity_rps: dict[str, float], request_id: str,
+                      reason: str) -> tuple[str, bool]:
+        """Start a rollout; (rollout id, duplicate)."""
+        ...
 
     async def record_recommendation(self, node: str, recommended: Topology, reason: str,
                                     decision_id: str) -> None: ...
@@ -484,6 +491,43 @@ class ForecastView:
     backtest_error: float  # chosen forecaster's rolling MAE / mean; NaN until known
 
 
+def fleet_groups(items, min_nodes: int) -> list[list[str]]:
+    """Which auto-mode decisions go as one rollout: ``items`` are (node, mode, switch, current,
+    recommended); nodes in auto mode making the same move (same current and target topology,
+    not to more GPUs — a scale-up goes at once, node by node), ``min_nodes`` or more of them."""
+    groups: dict[tuple, list[str]] = {}
+    for name, mode, switch, cur, target in items:
+        if mode == "auto" and switch and cur is not None and target is not None \
+                and target.world_size <= cur.world_size:
+            groups.setdefault((cur, target), []).append(name)
+    return [sorted(g) for g in groups.values() if len(g) >= max(2, min_nodes)]
+
+
+def rollout_floor(loads: list[float], capacities: list[float], headroom: float,
+                  targets: list[float] | None = None) -> float:
+    """A rollout's capacity floor: the share of the nodes' serving capacity now
+    (``capacities``) that their forecast load x ``headroom`` needs — at most what one node at a
+    time can keep (a floor no wave can keep would stop the rollout before it starts: the node
+    switching counts 0, every other one the lower of its capacity now and on the target,
+    ``targets``) and at most 0.9."""
+    total = sum(c for c in capacities if c > 0)
+    if total <= 0:
+        return 0.0
+    need = headroom * sum(x for x in loads if math.isfinite(x) and x > 0) / total
+    low = [max(0.0, min(c, t)) for c, t in zip(capacities, targets or capacities)]
+    reachable = (sum(low) - max(low)) / total
+    return max(0.0, min(need, reachable - 1e-6, 0.9))
+
+
+def forecast_of(n: "_Node", rec: "DecisionRecord") -> float:
+    """The rate a decision expects next window (the last observed one where it has none)."""
+    d = rec.decision
+    if isinstance(d, ObjectiveDecision) and math.isfinite(d.forecast_rps):
+        return d.forecast_rps
+    rates = [w.rate for w in n.history if math.isfinite(w.rate)]
+    return rates[-1] if rates else 0.0
+
+
 @dataclass
 class _Pending:
     """A Reconfigure that got no answer: asked again with the same id, not re-sent blindly."""
@@ -520,7 +564,8 @@ class PolicyService:
                  config: PolicyConfig = PolicyConfig(), window_s: float = 60.0,
                  default_mode: str = "advisory", store: DecisionStorePort | None = None,
                  retry_backoff_s: float = 30.0, max_decisions: int = 50_000, clock=time.time,
-                 objective: str = "gpu-hours", scale: ScaleConfig | None = None):
+                 objective: str = "gpu-hours", scale: ScaleConfig | None = None,
+                 rollout_min_nodes: int = 2, rollout_headroom: float = 1.2):
         if default_mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {default_mode!r}")
         if objective not in OBJECTIVES:
@@ -537,6 +582,9 @@ class PolicyService:
         self._tables: dict[tuple[Topology, ...], CapacityTable | str] = {}
         self._switch_times: dict[str, tuple[float, ...]] = {}  # from the log, for the budget
         self.retry_backoff_s, self.max_decisions = retry_backoff_s, max_decisions
+        # auto mode: this many nodes or more making the same move (not a scale-up) go as one
+        # rollout, with a capacity floor of their forecast load x headroom (0 or 1: never)
+        self.rollout_min_nodes, self.rollout_headroom = rollout_min_nodes, rollout_headroom
         self.default_mode = default_mode
         self.modes: dict[str, str] = {}  # per-node overrides
         self.nodes: dict[str, _Node] = {}
@@ -623,7 +671,7 @@ class PolicyService:
             if not self.controller_ok:
                 log.info("policy.controller_back")
             self.controller_ok = True
-            out = []
+            decided: list[tuple[_Node, DecisionRecord]] = []
             for v in views:
                 n = self._upsert(v)
                 try:
@@ -633,9 +681,15 @@ class PolicyService:
                     continue
                 except NotFound:
                     continue
-                rec = await self._tick_node(n, now)
+                if n.view.health in ("switching", "lost") or n.view.rollout_id:
+                    continue  # decide again once the switch / rollout is over, the node back
+                rec = self._decide(n, now)
                 if rec is not None:
-                    out.append(rec)
+                    decided.append((n, rec))
+            in_rollout = await self._rollouts(decided, now)
+            out = []
+            for n, rec in decided:
+                out.append(await self._finish(n, rec, now, acted=n.name in in_rollout))
             return out
 
     def _upsert(self, v: NodeView) -> _Node:
@@ -783,14 +837,12 @@ class PolicyService:
         return DecisionRecord(f"pd-{self.instance}-{self.seq}", self.seq, n.name,
                               self.mode_of(n.name), d, impact=imp)
 
-    async def _tick_node(self, n: _Node, now: float) -> DecisionRecord | None:
-        if n.view.health in ("switching", "lost"):
-            return None  # decide again once the switch is over / the node is back
-        rec = self._decide(n, now)
-        if rec is None:
-            return None
-        acted = False
-        if rec.mode == "advisory":
+    async def _finish(self, n: _Node, rec: DecisionRecord, now: float, acted: bool = False
+                      ) -> DecisionRecord:
+        """Act on one node's decision (``acted``: a rollout already did), record and log it."""
+        if acted:
+            pass
+        elif rec.mode == "advisory":
             acted = await self._advise(n, rec)
         elif rec.mode == "auto":
             acted = await self._act(n, rec, now)
@@ -804,6 +856,82 @@ class PolicyService:
             n.logged_key = key
             await self._log(rec)
         return rec
+
+    def _capacity(self, n: _Node, t: Topology) -> float:
+        """SLO capacity (req/s) of ``t`` on this node's candidates, per the profile."""
+        topos = self._topologies(n)
+        table = self._table(topos) if topos else "no topologies"
+        if not isinstance(table, str) and t in table.slo_cap:
+            return float(table.slo_cap[t])
+        return float(self.profile.capacity(t)) if t in self.profile.topologies else 0.0
+
+    async def _rollouts(self, decided: list[tuple[_Node, DecisionRecord]], now: float
+                        ) -> set[str]:
+        """Auto mode: the same move on several nodes (not a scale-up, which goes at once, node
+        by node) becomes one rollout whose capacity floor keeps the nodes' forecast load x
+        headroom served. Returns the nodes a rollout took (started, waiting or unanswered)."""
+        if self.rollout_min_nodes < 2:
+            return set()
+        by_name = {n.name: (n, rec) for n, rec in decided}
+        taken: set[str] = set()
+        for names in fleet_groups([(n.name, rec.mode, rec.decision.switch, rec.decision.current,
+                                    rec.decision.recommended) for n, rec in decided],
+                                   self.rollout_min_nodes):
+            group = [by_name[x] for x in names]
+            cur, target = group[0][1].decision.current, group[0][1].decision.recommended
+            pend = [n.pending for n, _ in group if n.pending is not None
+                    and n.pending.target == target]
+            if pend and now < min(p.retry_at_s for p in pend):
+                for n, rec in group:
+                    rec.outcome = (f"waiting: rollout request {pend[0].request_id} got no "
+                                   f"answer; asking again in {pend[0].retry_at_s - now:.0f} s")
+                taken.update(names)
+                continue
+            rid = pend[0].request_id if pend else f"pr-{group[0][1].id}"
+            loads = [forecast_of(n, rec) for n, rec in group]
+            caps = [self._capacity(n, cur) for n, _ in group]
+            floor = rollout_floor(loads, caps, self.rollout_headroom,
+                                  [self._capacity(n, target) for n, _ in group])
+            cap_rps = {str(t): self._capacity(group[0][0], t)
+                       for t in (*group[0][0].view.candidates,)}
+            reason = (f"policy: {len(group)} nodes {cur} → {target} "
+                      f"({group[0][1].decision.reason}); floor {floor:.2f} of "
+                      f"{sum(caps):.1f} req/s for a forecast {sum(loads):.1f} req/s")
+            try:
+                rollout_id, dup = await self.controller.rollout(
+                    names, target, floor, len(names), cap_rps, rid, reason)
+            except Unavailable as exc:
+                for n, rec in group:
+                    n.pending = _Pending(target, rid, now + self.retry_backoff_s)
+                    rec.outcome = (f"unavailable: rollout request {rid}: {exc} (asked again, "
+                                   f"same id, after {self.retry_backoff_s:g} s if still wanted)")
+                log.warning("policy.rollout_unavailable", nodes=names, request_id=rid,
+                            error=str(exc))
+                taken.update(names)
+                continue
+            except (FailedPrecondition, InvalidArgument, NotFound, Unauthenticated) as exc:
+                # the controller will not take it as a rollout: node by node, as without one
+                log.warning("policy.rollout_refused", nodes=names, code=exc.code.name,
+                            error=str(exc), detail="switching node by node instead")
+                continue
+            for n, rec in group:
+                n.pending = None
+                rec.outcome = (f"rollout {rollout_id}{' (duplicate request)' if dup else ''}: "
+                               f"{len(group)} nodes {cur} → {target}, capacity floor {floor:.2f}")
+                self._committed(n, rec)
+            log.info("policy.rollout_started", rollout_id=rollout_id, nodes=names,
+                     target=str(target), capacity_floor=round(floor, 3), request_id=rid,
+                     duplicate=dup)
+            taken.update(names)
+        return taken
+
+    def _committed(self, n: _Node, rec: DecisionRecord) -> None:
+        """A switch toward the decision was accepted: dwell and budget start now."""
+        d = rec.decision
+        if isinstance(d, ObjectiveDecision) and n.scale_state is not None:
+            n.scale_state = scale_after(n.scale_state, d.scale)
+        elif isinstance(d, Decision) and n.policy is not None:
+            n.policy.state = n.policy.state.after(d)
 
     async def _advise(self, n: _Node, rec: DecisionRecord) -> bool:
         d = rec.decision
@@ -859,10 +987,7 @@ class PolicyService:
                        f"duplicate: request {rid} was accepted earlier" if r.duplicate else
                        "accepted")
         if not r.noop:  # dwell and budget start now
-            if isinstance(d, ObjectiveDecision) and n.scale_state is not None:
-                n.scale_state = scale_after(n.scale_state, d.scale)
-            elif isinstance(d, Decision) and n.policy is not None:
-                n.policy.state = n.policy.state.after(d)
+            self._committed(n, rec)
         log.info("policy.reconfigured", node=n.name, decision_id=rec.id, switch_id=r.switch_id,
                  request_id=rid, target=str(d.recommended), outcome=rec.outcome,
                  **_impact_fields(rec))

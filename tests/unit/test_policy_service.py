@@ -486,3 +486,50 @@ def test_engine_tpot_from_the_prometheus_histogram():
     p50, p90 = engine_tpot(histogram_delta(before, after))
     assert p50 == pytest.approx(0.2 / 20)  # the mean over the point's 20 requests
     assert p90 == pytest.approx(0.01 + 0.04 * (18 - 18) / 2)  # 18th of 20 is the 0.01 bucket's top
+
+
+def test_fleet_groups_and_the_rollout_floor():
+    from policy.service import fleet_groups, rollout_floor
+    T = Topology
+    items = [("a", "auto", True, T(2, 1), T(1, 2)), ("b", "auto", True, T(2, 1), T(1, 2)),
+             ("c", "advisory", True, T(2, 1), T(1, 2)),  # not auto
+             ("d", "auto", True, T(1, 1), T(2, 1)),  # a scale-up: at once, node by node
+             ("e", "auto", True, T(1, 1), T(2, 1)),
+             ("f", "auto", False, T(2, 1), T(2, 1)), ("g", "auto", True, T(2, 1), T(1, 1))]
+    assert fleet_groups(items, 2) == [["a", "b"]]
+    assert fleet_groups(items, 3) == [] and fleet_groups(items, 0) == [["a", "b"]]
+    # forecast 6 req/s x 1.2 of 3 x 10 req/s: 0.24; never so high that no node can switch
+    assert rollout_floor([2, 2, 2], [10, 10, 10], 1.2) == pytest.approx(0.24)
+    assert rollout_floor([10, 10, 10], [10, 10, 10], 1.2) == pytest.approx(2 / 3, abs=1e-5)
+    assert rollout_floor([float("nan"), 0], [0, 0], 1.2) == 0.0
+    # the target serves less: two nodes left on it (4 each) while the third switches
+    assert rollout_floor([10, 10, 10], [10, 10, 10], 1.2, [4, 4, 4]) == pytest.approx(
+        8 / 30, abs=1e-5)
+
+
+async def test_auto_runs_the_same_move_on_several_nodes_as_one_rollout(ctl, cstub, redis_server):
+    nodes = sorted(register(cstub) for _ in range(3))
+    svc = service(ctl, redis_server, retry_backoff_s=3600.0)
+    await svc.start()
+    try:
+        for n in nodes:
+            await svc.set_mode("auto", n)
+            push(cstub, n, 4.0, 12)
+        recs = {r.node: r for r in await svc.tick(time.time()) if r.node in nodes}
+        assert set(recs) == set(nodes)
+        assert all(r.decision.switch and r.decision.recommended == TP1PP2 for r in recs.values())
+        outcomes = {r.outcome for r in recs.values()}
+        assert len(outcomes) == 1 and outcomes.pop().startswith("rollout ro-"), recs
+        rid = recs[nodes[0]].outcome.split()[1].rstrip(":")
+        got = cstub.GetRollout(controller_pb2.GetRolloutRequest(rollout_id=rid), timeout=5)
+        assert sorted(x.node for x in got.nodes) == nodes
+        # the floor: what one node at a time keeps (this profile's TP1PP2 meets no SLO: 0)
+        assert (got.plan.target.tp, got.plan.target.pp) == (1, 2) and 0 <= got.plan.floor < 1
+        assert "policy: 3 nodes" in got.description and got.capacity_rps["TP2PP1"] > 0
+        # no Reconfigure per node: the rollout runs the switches
+        page, _ = await svc.list_decisions(nodes[0], 10, "")
+        assert page[0].outcome == recs[nodes[0]].outcome
+        # committed as for an accepted switch: the policy's state moved on, the dwell started
+        assert all(svc.nodes[n].policy.state.current == TP1PP2 for n in nodes)
+    finally:
+        await close(svc)
