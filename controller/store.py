@@ -169,6 +169,22 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
 return 1
 """
 
+_DRAIN = """
+-- KEYS: node, events;  ARGV: draining flag ("1" / "0"), event_json, maxlen
+redis.call('HSET', KEYS[1], 'draining', ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
+return 1
+"""
+
+_RECOVERY = """
+-- KEYS: recovery, recoveries (by time), events;  ARGV: record_json, now, request_id,
+--   event_json, maxlen.  One request's recovery record (replaced as it progresses), its event.
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
+return 1
+"""
+
 _EXPIRE = """
 -- KEYS: node, events;  ARGV: now, event_json, maxlen
 local until_ = tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0')
@@ -238,7 +254,7 @@ end
 """
 # the scripts only the leader runs (registration and heartbeats: every controller)
 FENCED = frozenset({"begin", "noop", "dispatch", "advance", "finish", "expire", "recommend",
-                    "rollout_create", "rollout_step"})
+                    "rollout_create", "rollout_step", "drain", "recovery"})
 
 
 class Fence:
@@ -321,7 +337,8 @@ class Store:
             ("begin", _BEGIN), ("noop", _NOOP), ("dispatch", _DISPATCH), ("advance", _ADVANCE),
             ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
             ("expire", _EXPIRE), ("recommend", _RECOMMEND),
-            ("rollout_create", _ROLLOUT_CREATE), ("rollout_step", _ROLLOUT_STEP))}
+            ("rollout_create", _ROLLOUT_CREATE), ("rollout_step", _ROLLOUT_STEP),
+            ("drain", _DRAIN), ("recovery", _RECOVERY))}
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -605,10 +622,9 @@ class Store:
         await self._call(self.r.delete(self.k_inflight(name)))
 
     async def set_draining(self, name: str, draining: bool, event: Event) -> None:
-        async with self.r.pipeline(transaction=True) as p:
-            p.hset(self.k_node(name), "draining", "1" if draining else "0")
-            p.xadd(self.k_events, {"e": to_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
-            await self._call(p.execute())
+        """The node's drain flag and its event (the leader's: fenced)."""
+        await self._run("drain", [self.k_node(name), self.k_events],
+                        ["1" if draining else "0", to_json(event), EVENTS_MAXLEN])
 
     async def clear_draining(self, name: str) -> None:
         """A (re-)registered agent serves again: it restarted or was returned to service."""
@@ -616,12 +632,11 @@ class Store:
 
     async def put_recovery(self, request_id: str, record_json: str, now: float,
                            event: Event) -> None:
-        """One request's recovery record (replaced as it progresses) and its event, at once."""
-        async with self.r.pipeline(transaction=True) as p:
-            p.set(self.k_recovery(request_id), record_json)
-            p.zadd(self.k_recoveries, {request_id: now}, nx=True)
-            p.xadd(self.k_events, {"e": to_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
-            await self._call(p.execute())
+        """One request's recovery record (replaced as it progresses) and its event, at once
+        (the leader's: fenced)."""
+        await self._run("recovery", [self.k_recovery(request_id), self.k_recoveries,
+                                     self.k_events],
+                        [record_json, now, request_id, to_json(event), EVENTS_MAXLEN])
 
     async def recoveries(self, limit: int = 1000) -> list[str]:
         ids = await self._call(self.r.zrevrange(self.k_recoveries, 0, limit - 1))

@@ -142,7 +142,7 @@ def test_two_controllers_one_leads_the_other_refuses_writes_and_takes_over(
 def test_a_deposed_leaders_writes_are_fenced_by_the_term(redis_server, wait_replicas):
     """Fenced writes (docs/rollout.md §5): the leader-only scripts carry the term the writer
     was elected in; once another controller leads (a new term), the old leader's begin /
-    advance / finish / recommend / rollout step are refused by Redis and change nothing, while
+    advance / finish / recommend / rollout step / drain flag / recovery record are refused by Redis and change nothing, while
     registration (every controller's) still works and the new leader's writes go through."""
     from controller.store import Fence, Store
 
@@ -172,12 +172,20 @@ def test_a_deposed_leaders_writes_are_fenced_by_the_term(redis_server, wait_repl
                           sa.recommend("f1", "TP1PP2", ev),
                           sa.rollout_step("ro-1", 0, 1, "{}", "running", False, [], ev),
                           sa.begin("f1", "sw-f2", "", "{}", time.time(), "TP1PP2", ev,
-                                   observed="TP2PP1")):
+                                   observed="TP2PP1"),
+                          sa.set_draining("f1", True, ev),
+                          sa.put_recovery("rq-1", "{}", time.time(), ev)):
                 with pytest.raises(NotLeader):
                     await write
             row = await sa.switch("sw-f1")
             assert (row.phase, row.outcome, row.dispatched) == (2, "running", False)
             assert (await sa.node("f1")).get("recommendation") is None
+            assert (await sa.node("f1")).get("draining") is None and not await sa.recoveries()
+            # the new leader's drain flag and recovery record go through
+            await sb.set_draining("f1", True, ev)
+            await sb.put_recovery("rq-1", '{"request_id": "rq-1"}', time.time(), ev)
+            assert (await sb.node("f1"))["draining"] == "1"
+            assert await sb.recoveries() == ['{"request_id": "rq-1"}']
             await sa.register("f1", reg("f1"), time.time() + 60, "TP2PP1", ev)  # unfenced
             # the new leader's writes go through
             assert await sb.finish("sw-f1", "f1", "rolled_back", 2, "{}", "", ev)
