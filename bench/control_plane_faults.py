@@ -11,11 +11,18 @@ short OpenAI completions (max_tokens 8) round robin to the agents throughout; ev
 complete. A nice -20 sleeper (bench.common.PauseMonitor) records machine pauses (this 2-core VM
 stalls 0.2-6 s under load); every figure is reported with the pauses inside its window.
 
-leader-kill: one rollout (floor 0.5 of the profile ``tiny-cpu-2core``: one node per wave, nodes
-in name order a, b, c). kill -9 of the leading controller at three rollout boundaries:
-  K1 accepted / before wave 1: the leader runs with REMP_CONTROLLER_TEST_PAUSE_AT=ACCEPTED, the
-     first node's switch is accepted (in Redis) but never dispatched;
-  K2 node a finished: the moment GetRollout shows node a SUCCEEDED (polled every 20 ms);
+leader-kill: rollouts with floor 0.5 of the profile ``tiny-cpu-2core`` (one node per wave, nodes
+in name order a, b, c). kill -9 of the leading controller at these points:
+  K0 a first rollout accepted, wave 1's switch accepted (in Redis) but not yet dispatched (the
+     leader runs with REMP_CONTROLLER_TEST_PAUSE_AT=ACCEPTED). By the controller's design the
+     next leader aborts that switch (NOT_DISPATCHED, nothing ran) and the rollout ends FAILED
+     at node a — reported, not re-driven (only NOT_RECEIVED switches are re-issued);
+  idle: no rollout running (to hand leadership to a controller frozen at DISPATCHED);
+  then one rollout that must finish:
+  K1 before wave 1 runs: its switch dispatched (in Redis) but not sent (PAUSE_AT=DISPATCHED);
+     the next leader finds the agent never got it (NOT_RECEIVED) and the rollout re-issues it;
+  K2 node a finished: the moment GetRollout shows node a SUCCEEDED (polled every 20 ms; the
+     leader has usually already started node b's switch by then — see state_at_kill);
   K3 mid node b's switch: node b's agent holds the switch it received before QUIESCING
      (FaultInjection start gate, released by one longer request once the other controller leads).
 A controller is restarted after each kill so that two are always up. handover = kill -> the
@@ -45,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -211,6 +217,8 @@ class Traffic:
         self.per_node = {n: [0, 0] for n in agents}
         self.errors: list[str] = []
         self.hold: set[str] = set()
+        self.phase = "start"  # each request is counted under the phase it was sent in
+        self.per_phase: dict[str, list[int]] = {}
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -223,15 +231,21 @@ class Traffic:
         self._stop.set()
         self._t.join(180)
 
-    def counts(self) -> tuple[int, int]:
+    def begin(self, phase: str) -> None:
         with self.lock:
-            return self.sent, self.completed
+            self.phase = phase
+
+    def counts(self, phase: str) -> tuple[int, int]:
+        with self.lock:
+            return tuple(self.per_phase.get(phase, [0, 0]))
 
     def one(self, client, node: str, i: int, max_tokens: int = MAX_TOKENS) -> None:
         a = self.agents[node]
         with self.lock:
             self.sent += 1
             self.per_node[node][0] += 1
+            phase = self.per_phase.setdefault(self.phase, [0, 0])
+            phase[0] += 1
         try:
             r = client.post(f"{a.http}/v1/completions", json={
                 "model": "tiny", "prompt": prompt(i % 40, 20), "max_tokens": max_tokens,
@@ -240,6 +254,7 @@ class Traffic:
                 with self.lock:
                     self.completed += 1
                     self.per_node[node][1] += 1
+                    phase[1] += 1
             else:
                 self.errors.append(f"{node}: {r.status_code} {r.text[:200]}")
         except httpx.HTTPError as exc:
@@ -345,7 +360,7 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
         a.wait_node_ready(n, timeout=120)
     start = topology(agents[NODES[0]])
     target = other(start)
-    s0 = traffic.counts()
+    traffic.begin("leader_kill")
     kills = []
 
     def kill_leader(point: str, lead, spare, before: S.RolloutState | None, restart_env=None):
@@ -412,7 +427,10 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
     a.wait_ready(120)
     if not node_row(after, "cpf-a").status == S.ROLLOUT_NODE_STATUS_SUCCEEDED:
         raise RuntimeError(after)
+    sid = node_row(after, "cpf-b").switch_id  # (read just before the kill)
+    on_agent = bool(sid) and agent_record(agents["cpf-b"], sid) is not None
     k2, _ = kill_leader("K2 node a finished", b, a, after)
+    k2["node_b_switch_on_agent_at_kill"] = on_agent
     snap = snapshot(after)
     after = wait_rollout([a], rid, lambda s: snapshot(s) != snap
                          or bool(node_row(s, "cpf-b").switch_id), seen=seen)
@@ -425,7 +443,7 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
     b.wait_ready(120)
     held = agent_record(agents["cpf-b"], sid_b)
     k3, _ = kill_leader("K3 mid node b's switch", a, b, st)
-    k3["node_b_switch_on_agent_at_kill"] = types_pb2.Phase.Name(held.phase)
+    k3["node_b_agent_phase_at_kill"] = types_pb2.Phase.Name(held.phase)  # held at its gate
     rel = release(traffic, "cpf-b")
     snap = snapshot(st)
     wait_rollout([b], rid, lambda s: snapshot(s) != snap, seen=seen)
@@ -438,7 +456,8 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
     a.wait_ready(120)
     lead, _ = wait_leader([a, b])
     v = verify(lead, agents, final, seen)
-    s1 = traffic.counts()
+    s1 = traffic.counts("leader_kill")
+    traffic.begin("between")
     log(f"leader-kill: rollout {v['rollout_status']} in {done_s:.1f} s; lost "
         f"{v['records_lost']}, run twice {v['switches_run_twice']}")
     return {"rollout_id": rid, "from": "TP{}PP{}".format(*start),
@@ -448,8 +467,7 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
             "switches_run_twice": v["switches_run_twice"] + v0["switches_run_twice"],
             "k0_rollout": {"rollout_id": r0.rollout_id, **v0},
             "controller_handover_s": max(k["handover_s"] for k in kills),
-            "openai_requests_sent": s1[0] - s0[0],
-            "openai_requests_completed": s1[1] - s0[1]}
+            "openai_requests_sent": s1[0], "openai_requests_completed": s1[1]}
 
 
 def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
@@ -476,7 +494,7 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
             asyncio.run(disarm(agents["cpf-b"].grpc_addr))
             asyncio.run(arm_switch(agents["cpf-b"].grpc_addr, start_when_running=1))
             traffic.hold.add("cpf-b")
-            s0 = traffic.counts()
+            traffic.begin("redis_kill")
             seen: set[str] = set()
             t_start = time.monotonic()
             r = start_rollout(lead, target, f"cpf-redis-{int(time.time())}")
@@ -543,7 +561,8 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
             v = verify(lead, agents, final, seen)
             missing_acked = [s for s in acked if s not in {
                 x.switch_id for n in NODES for x in list_switches(lead, n)}]
-            s1 = traffic.counts()
+            s1 = traffic.counts("redis_kill")
+            traffic.begin("after")
             log(f"redis-kill: rollout {v['rollout_status']} in {done_s:.1f} s; lost "
                 f"{v['records_lost']}, run twice {v['switches_run_twice']}")
             return {"rollout_id": rid, "from": "TP{}PP{}".format(*start),
@@ -563,8 +582,7 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
                     "acknowledged_records_missing": missing_acked,
                     "password_in_argv_pids": offenders,
                     "rollout_s": round(done_s, 2), **v,
-                    "openai_requests_sent": s1[0] - s0[0],
-                    "openai_requests_completed": s1[1] - s0[1]}
+                    "openai_requests_sent": s1[0], "openai_requests_completed": s1[1]}
         finally:
             for s in sctls:
                 s.kill()
@@ -645,6 +663,9 @@ def main() -> int:
                 a.stop_in_background()
     for a in agents.values():
         a.stop()
+    for name, sc in scen.items():  # counted once every request has returned
+        sc["openai_requests_sent"], sc["openai_requests_completed"] = \
+            traffic.per_phase.get(name, [0, 0])
     # machine pauses inside each measured window
     lk = scen.get("leader_kill")
     if lk:
@@ -665,6 +686,7 @@ def main() -> int:
         "openai_requests_sent": traffic.sent,
         "openai_requests_completed": traffic.completed,
         "openai_per_node_sent_completed": traffic.per_node,
+        "openai_per_phase_sent_completed": traffic.per_phase,
         "openai_errors": traffic.errors[:20],
         "machine_pauses": pm.summary(),
         "wall_s": round(time.monotonic() - t0, 1),
