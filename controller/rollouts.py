@@ -414,10 +414,12 @@ class Rollouts:
                 rec = from_json(row.record_json, SwitchRecord)
                 outcome = Outcome(row.outcome)
                 if (outcome is Outcome.ABORTED and rec.error is not None
-                        and rec.error.code == "NOT_RECEIVED" and retries < NOT_RECEIVED_RETRIES):
+                        and rec.error.code in ("NOT_RECEIVED", "NOT_DISPATCHED")
+                        and retries < NOT_RECEIVED_RETRIES):
                     # the order never reached the agent (the control plane lost Redis between
-                    # taking the node's slot and dispatching): nothing ran there, so this is
-                    # not the node failing; the rollout switches it again
+                    # taking the node's slot and dispatching, or the leader died before it
+                    # sent it): nothing ran there, so this is not the node failing; the
+                    # rollout switches it again
                     retries += 1
                     again = await self._switch_again(rollout_id, node, switch_id)
                     if again:

@@ -401,3 +401,30 @@ def test_watch_filters_by_rollout_id():
                Event(id="2-0", rollout_id="ro-2"), Event(id="3-0", node="n1")])
     assert [e.id for e in mine._items] == ["1-0"]
     assert [e.id for e in every._items] == ["1-0", "2-0", "3-0"]
+
+
+async def test_a_switch_the_dead_leader_never_dispatched_is_started_again(store, fleet):
+    """The leader dies after taking a node's slot and before sending the switch: the next one
+    ends that switch NOT_DISPATCHED (nothing ran) and the rollout switches the node again
+    instead of failing (bench/control_plane_faults.py's K0 left the rollout FAILED)."""
+    a = await make_core(store, fleet)
+
+    async def dies_at_accepted(point):  # the process "dies" here: never dispatches
+        if point == "ACCEPTED":
+            await asyncio.Event().wait()
+    a._pause_point = dies_at_accepted
+    v = await a.rollouts.create(spec(max_parallel=1))
+    rid = v.state.rollout_id
+    while not (await a.rollouts.get(rid)).state.switching:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    await a.stop()
+    assert not fleet.executed
+    b = await make_core(store, fleet, nodes=())
+    await b.lead()  # reconciles the undispatched switch, resumes the rollout
+    try:
+        st = await until_final(b, rid)
+    finally:
+        await b.stop()
+    assert st.status is RolloutStatus.DONE, st
+    assert sorted(n for n, _ in fleet.executed) == ["n1", "n2", "n3"]  # each once
