@@ -14,9 +14,10 @@ stalls 0.2-6 s under load); every figure is reported with the pauses inside its 
 leader-kill: rollouts with floor 0.5 of the profile ``tiny-cpu-2core`` (one node per wave, nodes
 in name order a, b, c). kill -9 of the leading controller at these points:
   K0 a first rollout accepted, wave 1's switch accepted (in Redis) but not yet dispatched (the
-     leader runs with REMP_CONTROLLER_TEST_PAUSE_AT=ACCEPTED). By the controller's design the
-     next leader aborts that switch (NOT_DISPATCHED, nothing ran) and the rollout ends FAILED
-     at node a — reported, not re-driven (only NOT_RECEIVED switches are re-issued);
+     leader runs with REMP_CONTROLLER_TEST_PAUSE_AT=ACCEPTED). The next leader aborts that
+     switch (NOT_DISPATCHED, nothing ran) and the rollout switches the node again (97775da;
+     before it, the rollout ended FAILED at node a) and finishes; the rollout after it goes
+     back to the starting topology;
   idle: no rollout running (to hand leadership to a controller frozen at DISPATCHED);
   then one rollout that must finish:
   K1 before wave 1 runs: its switch dispatched (in Redis) but not sent (PAUSE_AT=DISPATCHED);
@@ -382,8 +383,8 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
         return k, t_lead
 
     # K0: a first rollout, its first switch accepted (in Redis) and not yet dispatched. The
-    # controller's design: the next leader aborts a switch that was never dispatched
-    # (NOT_DISPATCHED) and the rollout stops there (FAILED, nothing ran anywhere).
+    # next leader aborts a switch that was never dispatched (NOT_DISPATCHED, nothing ran) and
+    # the rollout switches that node again.
     seen0: set[str] = set()
     r0 = start_rollout(a, target, f"cpf-leader0-{int(time.time())}")
     a.wait_log("controller.test_paused", timeout=60)
@@ -397,6 +398,8 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
     k0["rollout_reason"] = final0.reason
     v0 = verify(b, agents, final0, seen0)
     log(f"K0: rollout {k0['rollout_outcome']} ({final0.reason})")
+    if final0.status == S.ROLLOUT_STATUS_DONE:  # every node on ``target``: the next goes back
+        start, target = target, start
     # A (frozen at DISPATCHED) must lead for K1: the idle leader B is killed (handover measured)
     a.wait_ready(120)
     kill_leader("idle (no rollout running)", b, a, None)
