@@ -245,6 +245,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--agent-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an extra environment variable for `remp agent` (repeatable)")
+    ap.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
+                    help="an extra `remp agent` argument, e.g. --agent-arg=--candidates=TP2PP1 "
+                         "(repeatable)")
     ap.add_argument("--no-prime", dest="prime", action="store_false",
                     help="no uncounted request before each run (see closed_loop)")
     ap.add_argument("--json", action="store_true", help="last line: the result as one object")
@@ -265,7 +268,8 @@ def main() -> int:
         agent = AgentProcess(model, tp=a.tp, pp=a.pp, dtype=a.dtype, log_dir=logs,
                              node="healthy-remp", worker_spin=None,
                              kv_cache_gib=1,  # vLLM's spin, as plain
-                             env=dict(kv.split("=", 1) for kv in a.agent_env))
+                             env=dict(kv.split("=", 1) for kv in a.agent_env),
+                             extra=list(a.agent_arg))
         targets = {"vllm": plain, "remp": agent}
         runs: dict[str, dict[int, list[dict]]] = {k: {c: [] for c in levels} for k in targets}
         try:
@@ -319,7 +323,7 @@ def main() -> int:
         "load": f"Azure 2023 conv lengths scaled (prompt/8, output/4), {a.requests} requests "
                 f"per run, closed loop, seed {a.seed}",
         "rounds": a.rounds, "concurrency": levels, "primed": a.prime,
-        "agent_env": a.agent_env,
+        "agent_env": a.agent_env, "agent_args": a.agent_arg,
         "prompt_tokens_mean": statistics.mean(p for p, _ in lengths),
         "output_tokens_mean": statistics.mean(o for _, o in lengths),
         "results": {n: {str(c): v for c, v in table[n].items()} for n in table},
