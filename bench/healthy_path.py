@@ -196,6 +196,25 @@ async def closed_loop(http: str, requests: list[tuple[str, int]], concurrency: i
             "tok_s": sum(r["tokens"] for r in results) / wall, "requests": results}
 
 
+SERVER_METRICS = ("time_to_first_token", "request_queue_time", "request_prefill_time",
+                  "request_decode_time", "e2e_request_latency")
+
+
+def server_metrics(http: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of vLLM's own per-request histograms (its /metrics): the engine's view of
+    each request, from its arrival in the front end — not the client's."""
+    import re
+
+    text = httpx.get(f"{http}/metrics", timeout=30).text
+    out = {}
+    for name in SERVER_METRICS:
+        total = re.findall(rf"^vllm:{name}_seconds_sum(?:{{[^}}]*}})? (\S+)", text, re.M)
+        count = re.findall(rf"^vllm:{name}_seconds_count(?:{{[^}}]*}})? (\S+)", text, re.M)
+        if total and count:
+            out[name] = (float(total[0]), float(count[0]))
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(x for x in xs if x is not None)
     if not xs:
@@ -229,6 +248,10 @@ def summarise(runs: list[dict]) -> dict:
             "cpu_ms_per_token": {k: round(1e3 * sum(r["cpu_s"][k] for r in runs)
                                           / sum(r["tokens"] for r in runs), 3)
                                  for k in runs[0].get("cpu_s", {})},
+            # vLLM's own per-request means (its /metrics), every run's requests together
+            "server_mean_ms": {k: round(1e3 * sum(r["server"][k][0] for r in runs)
+                                        / max(1.0, sum(r["server"][k][1] for r in runs)), 2)
+                               for k in runs[0].get("server", {})},
             "tokens_per_chunk": sum(r["tokens"] for r in reqs) / max(1, sum(
                 r.get("chunks", r["tokens"]) for r in reqs))}
 
@@ -286,10 +309,14 @@ def main() -> int:
                     order = list(targets) if r % 2 == 0 else list(reversed(targets))
                     for name in order:
                         before = cpu_by_role(targets[name].proc.pid)
+                        m0 = server_metrics(targets[name].http)
                         run = asyncio.run(closed_loop(targets[name].http, requests, c,
                                                       prime=a.prime))
+                        m1 = server_metrics(targets[name].http)
                         after = cpu_by_role(targets[name].proc.pid)
                         run["cpu_s"] = {k: after[k] - before[k] for k in after}
+                        run["server"] = {k: (m1[k][0] - m0[k][0], m1[k][1] - m0[k][1])
+                                         for k in m1 if k in m0}
                         runs[name][c].append(run)
                         time.sleep(a.pause)
                     print(f"c={c} round {r}: " + ", ".join(
@@ -350,6 +377,13 @@ def main() -> int:
               f"{ratios[c]['tpot_p50_outside_pauses']:.3f} (requests kept: vLLM "
               f"{table['vllm'][c]['requests_outside_pauses']}, remp "
               f"{table['remp'][c]['requests_outside_pauses']})")
+    print()
+    print("vLLM's own per-request means, ms (its /metrics; the engine's view, from each "
+          "request's arrival in the front end):")
+    for c in levels:
+        for n in targets:
+            print(f"  C={c} {n}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in table[n][c]["server_mean_ms"].items()))
     print()
     print("CPU ms per output token (front end / engine core / workers / other):")
     for c in levels:
