@@ -182,17 +182,6 @@ def list_switches(ctl, node) -> list[types_pb2.SwitchRecord]:
 
 # ---------------------------------------------------------------- agents
 
-def agent_record(agent, sid):
-    with agent.channel() as ch:
-        try:
-            return node_agent_pb2_grpc.NodeAgentStub(ch).GetSwitch(
-                node_agent_pb2.GetSwitchRequest(switch_id=sid), timeout=10).record
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-
-
 def topology(agent) -> tuple[int, int]:
     d = agent.describe()
     return (d.topology.tp, d.topology.pp)
@@ -288,7 +277,7 @@ def release(traffic: Traffic, node: str) -> threading.Thread:
 def wait_held(agent, sid, timeout=60) -> None:
     """Until the agent has switch ``sid`` (received, waiting at its start gate)."""
     deadline = time.monotonic() + timeout
-    while agent_record(agent, sid) is None:
+    while agent.switch_record(sid) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{agent.node} never received {sid}")
         time.sleep(0.05)
@@ -324,7 +313,7 @@ def verify(ctl, agents, r: S.RolloutState, seen: set[str]) -> dict:
         executed = [s for s, k in runs.items() if k > 0]
         twice += sum(max(0, k - 1) for k in runs.values()) + max(0, len(executed) - 1)
         for s in mine:
-            truth = agent_record(agents[n], s.switch_id)
+            truth = agents[n].switch_record(s.switch_id)
             if truth is not None and truth.outcome != s.outcome:
                 disagree.append(s.switch_id)
             if truth is None and runs[s.switch_id]:
@@ -431,7 +420,7 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
     if not node_row(after, "cpf-a").status == S.ROLLOUT_NODE_STATUS_SUCCEEDED:
         raise RuntimeError(after)
     sid = node_row(after, "cpf-b").switch_id  # (read just before the kill)
-    on_agent = bool(sid) and agent_record(agents["cpf-b"], sid) is not None
+    on_agent = bool(sid) and agents["cpf-b"].switch_record(sid) is not None
     k2, _ = kill_leader("K2 node a finished", b, a, after)
     k2["node_b_switch_on_agent_at_kill"] = on_agent
     snap = snapshot(after)
@@ -444,7 +433,7 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
     sid_b = node_row(st, "cpf-b").switch_id
     wait_held(agents["cpf-b"], sid_b)
     b.wait_ready(120)
-    held = agent_record(agents["cpf-b"], sid_b)
+    held = agents["cpf-b"].switch_record(sid_b)
     k3, _ = kill_leader("K3 mid node b's switch", a, b, st)
     k3["node_b_agent_phase_at_kill"] = types_pb2.Phase.Name(held.phase)  # held at its gate
     rel = release(traffic, "cpf-b")

@@ -51,33 +51,32 @@ def main() -> int:
         plain = PlainVllm(model, 2, 1, "float32", Path(tmp))
         agent = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=Path(tmp),
                              node="ttft-probe", worker_spin=None, kv_cache_gib=1)
-        urls = {"vllm": None, "remp": None}
-        times: dict[str, list[tuple[float, float]]] = {k: [] for k in urls}
-        cpu: dict[str, dict[str, float]] = {k: {} for k in urls}  # CPU s by process role
+        targets = {"vllm": plain, "remp": agent}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in targets}
+        cpu: dict[str, dict[str, float]] = {k: {} for k in targets}  # CPU s by process role
         try:
             plain.start()
             agent.start()
             plain.wait_ready()
             agent.wait_ready()
-            urls = {"vllm": plain.http, "remp": agent.http}
 
             def post(url: str, n: int) -> None:
                 c.post(f"{url}/v1/completions", json={
                     "model": "tiny", "prompt": text(), "max_tokens": n, "temperature": 0.0,
                     "ignore_eos": True}).raise_for_status()
-            pids = {"vllm": plain.proc.pid, "remp": agent.proc.pid}
             with httpx.Client(timeout=60) as c, PauseMonitor() as mon:
-                for url in urls.values():
+                for t in targets.values():
                     for _ in range(3):
-                        post(url, a.max_tokens)
+                        post(t.http, a.max_tokens)
                 for i in range(a.requests):
                     for name in (("vllm", "remp") if i % 2 == 0 else ("remp", "vllm")):
-                        post(urls[name], 1)
-                        before = cpu_by_role(pids[name])
+                        t = targets[name]
+                        post(t.http, 1)
+                        before = cpu_by_role(t.proc.pid)
                         t0 = time.monotonic()
-                        post(urls[name], a.max_tokens)
+                        post(t.http, a.max_tokens)
                         times[name].append((t0, time.monotonic()))
-                        after = cpu_by_role(pids[name])
+                        after = cpu_by_role(t.proc.pid)
                         for k in after:
                             cpu[name][k] = cpu[name].get(k, 0.0) + after[k] - before[k]
         finally:

@@ -107,8 +107,7 @@ def node_view(n: controller_pb2.NodeState) -> dict:
 
 
 def worker_view(w) -> dict:
-    return {"rank": w.rank, "state": types_pb2.WorkerState.Name(w.state).removeprefix(
-                "WORKER_STATE_") if w.state in types_pb2.WorkerState.values() else str(w.state),
+    return {"rank": w.rank, "state": _enum(types_pb2.WorkerState, w.state, "WORKER_STATE_"),
             "device": w.device, "model_bytes": w.model_bytes,
             "device_memory_bytes": w.device_memory_bytes, "released": w.released}
 

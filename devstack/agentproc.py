@@ -145,6 +145,18 @@ class AgentProcess:
             return node_agent_pb2_grpc.NodeAgentStub(ch).Describe(
                 node_agent_pb2.DescribeRequest(), timeout=30)
 
+    def switch_record(self, switch_id: str):
+        """The agent's record of switch ``switch_id`` (NodeAgent.GetSwitch), None when it has
+        none (NOT_FOUND: it never received the switch, or it restarted)."""
+        with self.channel() as ch:
+            try:
+                return node_agent_pb2_grpc.NodeAgentStub(ch).GetSwitch(
+                    node_agent_pb2.GetSwitchRequest(switch_id=switch_id), timeout=10).record
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
+                raise
+
     def wait_ready(self, timeout: float = 240) -> "AgentProcess":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -282,12 +282,20 @@ class NodeAgent:
         while len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
 
+    def _facts_key(self) -> tuple:
+        return (str(self.topology), self.topology_epoch, self.engine_restarts)
+
+    def _cached_facts(self) -> list[dict] | None:
+        """The workers' facts if read at the current topology, else None."""
+        got = self._worker_facts
+        return got[1] if got is not None and got[0] == self._facts_key() else None
+
     def worker_facts_nowait(self) -> list[dict]:
         """The workers' facts if read at the current topology, else [] and a read starts in the
         background (heartbeats must not wait for the workers: the lease would run out)."""
-        key = (str(self.topology), self.topology_epoch, self.engine_restarts)
-        if self._worker_facts is not None and self._worker_facts[0] == key:
-            return self._worker_facts[1]
+        cached = self._cached_facts()
+        if cached is not None:
+            return cached
         if self._facts_task is None or self._facts_task.done():
             self._facts_task = asyncio.get_running_loop().create_task(self.worker_facts())
         return []
@@ -296,9 +304,10 @@ class NodeAgent:
         """Each worker's facts (:meth:`RempWorkerExtension.remp_worker_info`: state, what it
         holds, whether released), read once per topology: [] while no engine serves or a switch
         runs, or when the workers do not answer in 10 s (the next call tries again)."""
-        key = (str(self.topology), self.topology_epoch, self.engine_restarts)
-        if self._worker_facts is not None and self._worker_facts[0] == key:
-            return self._worker_facts[1]
+        cached = self._cached_facts()
+        if cached is not None:
+            return cached
+        key = self._facts_key()
         if self.status != "serving" or self.engine is None or self.current is not None:
             return []
         try:
@@ -307,7 +316,7 @@ class NodeAgent:
         except (asyncio.TimeoutError, RuntimeError) as exc:
             log.warning("agent.worker_facts_failed", error=str(exc))
             return []
-        if key == (str(self.topology), self.topology_epoch, self.engine_restarts):
+        if key == self._facts_key():  # no switch or restart finished meanwhile
             self._worker_facts = (key, facts)
         return facts
 

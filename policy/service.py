@@ -840,14 +840,13 @@ class PolicyService:
     async def _finish(self, n: _Node, rec: DecisionRecord, now: float, acted: bool = False
                       ) -> DecisionRecord:
         """Act on one node's decision (``acted``: a rollout already did), record and log it."""
-        if acted:
-            pass
-        elif rec.mode == "advisory":
-            acted = await self._advise(n, rec)
-        elif rec.mode == "auto":
-            acted = await self._act(n, rec, now)
-        else:
-            rec.outcome = "off: no action"
+        if not acted:
+            if rec.mode == "advisory":
+                acted = await self._advise(n, rec)
+            elif rec.mode == "auto":
+                acted = await self._act(n, rec, now)
+            else:
+                rec.outcome = "off: no action"
         n.last = rec
         metrics.policy().decided(n, rec, self.window_s, now)
         d = rec.decision
@@ -892,8 +891,7 @@ class PolicyService:
             caps = [self._capacity(n, cur) for n, _ in group]
             floor = rollout_floor(loads, caps, self.rollout_headroom,
                                   [self._capacity(n, target) for n, _ in group])
-            cap_rps = {str(t): self._capacity(group[0][0], t)
-                       for t in (*group[0][0].view.candidates,)}
+            cap_rps = {str(t): self._capacity(group[0][0], t) for t in group[0][0].view.candidates}
             reason = (f"policy: {len(group)} nodes {cur} → {target} "
                       f"({group[0][1].decision.reason}); floor {floor:.2f} of "
                       f"{sum(caps):.1f} req/s for a forecast {sum(loads):.1f} req/s")

@@ -87,17 +87,6 @@ def agent_topology(agent):
     return (d.topology.tp, d.topology.pp)
 
 
-def agent_record(agent, sid):
-    with agent.channel() as ch:
-        try:
-            return node_agent_pb2_grpc.NodeAgentStub(ch).GetSwitch(
-                node_agent_pb2.GetSwitchRequest(switch_id=sid), timeout=10).record
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-
-
 def reference(agent):
     async def go():
         async with httpx.AsyncClient(timeout=600) as c:
@@ -144,7 +133,7 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
                 ctl.addr, "remp.controller.v1.Controller/Reconfigure")
             sid = (json.loads(r.stdout or "{}").get("switchId") if r.returncode == 0 else None)
             deadline = time.monotonic() + 60
-            while sid and await asyncio.to_thread(agent_record, agent, sid) is None:
+            while sid and await asyncio.to_thread(agent.switch_record, sid) is None:
                 assert time.monotonic() < deadline, "the agent never received the switch"
                 await asyncio.sleep(0.05)
             tasks = [asyncio.create_task(stream_completion(c, agent.http, p, MAX_TOKENS))
@@ -259,7 +248,7 @@ def test_controller_killed_at_each_phase_recovers_from_the_agent(stack, point):
     time.sleep(0.5)  # the agent finishes (or never got) the switch on its own
     ctl.start().wait_ready()
     rec = wait_switch(ctl, sid)
-    truth = agent_record(agent, sid)
+    truth = agent.switch_record(sid)
     st = call(ctl, "GetState", controller_pb2.GetStateRequest(node=NODE), md=False)
     if point in ("ACCEPTED", "DISPATCHED"):
         # never sent: not re-sent by the new controller either
@@ -300,7 +289,7 @@ def test_abort_before_dispatch_and_after_finish(stack):
         r = call(ctl, "Abort", controller_pb2.AbortRequest(switch_id=sid, reason="operator"))
         assert r.aborted
         rec = call(ctl, "GetSwitch", controller_pb2.GetSwitchRequest(switch_id=sid), md=False)
-        assert rec.outcome == types_pb2.SWITCH_OUTCOME_ABORTED and agent_record(agent, sid) is None
+        assert rec.outcome == types_pb2.SWITCH_OUTCOME_ABORTED and agent.switch_record(sid) is None
         with pytest.raises(grpc.RpcError) as ei:
             call(ctl, "Abort", controller_pb2.AbortRequest(switch_id=sid))
         assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -344,7 +333,7 @@ def test_abort_through_the_controller_while_the_agent_holds_the_switch(stack):
     sid = call(ctl, "Reconfigure", controller_pb2.ReconfigureRequest(
         node=NODE, target=target)).switch_id
     deadline = time.monotonic() + 20
-    while agent_record(agent, sid) is None:
+    while agent.switch_record(sid) is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     r = call(ctl, "Abort", controller_pb2.AbortRequest(switch_id=sid, reason="operator"))
