@@ -7,6 +7,8 @@ import os
 import platform
 from pathlib import Path
 
+from devstack.agentproc import favour_this_session  # noqa: F401 (the benches' import)
+
 
 def machine() -> str:
     return f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}"
@@ -20,23 +22,6 @@ def emit(result: dict, out: Path | None, as_json: bool) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
     if as_json:
         print(json.dumps(result))
-
-
-def favour_this_session(nice: int = -20) -> str:
-    """Put this process's session (its autogroup: the benchmark's client, its monitor and every
-    child not started in a session of its own) at autogroup nice ``nice``, ahead of the servers
-    measured, which run in sessions of their own — as a load generator on its own machine would
-    be. Returns what this session has now, e.g. "autogroup nice -20" ("autogroup nice 0
-    (not permitted)" without CAP_SYS_NICE; "no autogroup" where the kernel has none). See
-    :class:`PauseMonitor` for why."""
-    path = Path("/proc/self/autogroup")
-    try:
-        path.write_text(str(nice))
-    except PermissionError:
-        return f"autogroup nice {path.read_text().split()[-1]} (not permitted)"
-    except OSError:
-        return "no autogroup"
-    return f"autogroup nice {path.read_text().split()[-1]}"
 
 
 # The machine monitor's child: sleeps 5 ms at a time and prints every gap over the threshold as
@@ -65,10 +50,11 @@ class PauseMonitor:
     this monitor — was runnable but not run for 0.2-2.7 s at a time: the monitor's own
     ``schedstat`` run delay equalled each gap, while /proc/stat showed both cores busy with the
     workers (nice ticks) and no steal. Two plain spinners, pinned or not, yielding or not, made
-    no gap. With the benchmark's session at autogroup nice -20 (:func:`favour_this_session`)
-    there were none either, and plain vLLM at 4 clients went from 117 to 580 tok/s as the
-    client saw it: the figures before measured the client's starvation. Benchmarks favour their
-    session and keep this monitor to show that no gap remains.
+    no gap. With the benchmark's session at autogroup nice -20
+    (``devstack.agentproc.favour_this_session``) there were none either, and plain vLLM at 4
+    clients went from 117 to 580 tok/s as the client saw it: the figures before measured the
+    client's starvation. Benchmarks favour their session and keep this monitor to show that no
+    gap remains.
     """
 
     def __init__(self, threshold_s: float = 0.1):

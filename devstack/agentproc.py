@@ -29,6 +29,38 @@ _STOPPER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-stop")
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 
 
+def favour_this_session(nice: int = -20) -> str:
+    """Put this process's session (its autogroup: it and every child not started in a session
+    of its own) at autogroup nice ``nice``, ahead of the agents, controllers and Redis servers
+    started here, which run in sessions of their own — as a client on another host would be.
+
+    Why: Linux's autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled, on by default)
+    gives each session one share of the CPU whatever its tasks' nice. On a 2-core box an
+    agent's vLLM workers busy-wait pinned one per core, and a client's session was runnable but
+    not run for 0.2-2.7 s at a time (13 s once in CI): every latency it measured was its own
+    wait (bench.common.PauseMonitor). The previous value is restored at exit (the session may
+    be an operator's shell). Returns what the session has now, e.g. "autogroup nice -20"
+    ("... (not permitted)" without CAP_SYS_NICE; "no autogroup" where the kernel has none)."""
+    import atexit
+
+    path = Path("/proc/self/autogroup")
+    try:
+        before = path.read_text().split()[-1]
+        path.write_text(str(nice))
+    except PermissionError:
+        return f"autogroup nice {path.read_text().split()[-1]} (not permitted)"
+    except (OSError, IndexError):
+        return "no autogroup"
+
+    def restore() -> None:
+        try:
+            path.write_text(before)
+        except OSError:
+            pass
+    atexit.register(restore)
+    return f"autogroup nice {path.read_text().split()[-1]}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

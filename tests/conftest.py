@@ -7,6 +7,19 @@ from remp.auth import ENV_FILE, Credentials
 from devstack.modelgen import make_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def favoured_test_session():
+    """The tests are the clients: their session runs at autogroup nice -20 where permitted, ahead
+    of the agents, controllers and Redis servers they start in sessions of their own, as clients
+    on another host would be (devstack.agentproc.favour_this_session: without it an agent's
+    busy-waiting workers starved the test process for seconds on 2 cores; CI once saw a no-op
+    call take 13 s). Restored when the run ends."""
+    from devstack.agentproc import favour_this_session
+
+    favour_this_session()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The project's deterministic tiny random Llama (bf16 checkpoint)."""
