@@ -7,8 +7,6 @@ import os
 import platform
 from pathlib import Path
 
-from devstack.agentproc import favour_this_session  # noqa: F401 (the benches' import)
-
 
 def machine() -> str:
     return f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}"

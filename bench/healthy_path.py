@@ -23,7 +23,7 @@ agent costs nothing" had never been measured).
 - Per target and concurrency: output tokens/s (median over rounds), TTFT and TPOT percentiles
   over every request of every round (TPOT = (last token − first token) / (tokens − 1), from the
   stream's chunk times as the client saw them).
-- The client's session runs at autogroup nice -20 (``bench.common.favour_this_session``;
+- The client's session runs at autogroup nice -20 (``devstack.agentproc.favour_this_session``;
   ``--equal-client``: not), ahead of both targets' sessions, as a load generator on a machine
   of its own would be. Without it the kernel's autogroup scheduling gave the client one
   session's share against the busy-waiting workers' and starved it for 0.2-2.7 s at a time:
@@ -41,6 +41,7 @@ import asyncio
 import csv
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -54,10 +55,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import PauseMonitor, emit, favour_this_session, machine  # noqa: E402
+from bench.common import PauseMonitor, emit, machine  # noqa: E402
 
-from devstack.agentproc import (AgentProcess, ensure_credentials, free_port,  # noqa: E402
-                               stream_completion, terminate)
+from devstack.agentproc import (AgentProcess, ensure_credentials, favour_this_session,  # noqa: E402
+                               free_port, stream_completion, terminate)
 from devstack.modelgen import make_model  # noqa: E402
 from node_agent.config import allowed_cpus, cpu_binds  # noqa: E402
 from node_agent.engine_plugin import EngineSpec, cpu_backend_env  # noqa: E402
@@ -207,8 +208,6 @@ SERVER_METRICS = ("time_to_first_token", "request_queue_time", "request_prefill_
 def server_metrics(http: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of vLLM's own per-request histograms (its /metrics): the engine's view of
     each request, from its arrival in the front end — not the client's."""
-    import re
-
     text = httpx.get(f"{http}/metrics", timeout=30).text
     out = {}
     for name in SERVER_METRICS:

@@ -14,7 +14,7 @@ requests mid-decode). ``--views``: the default reply (``front``: the agent's fro
 and/or ``exact`` (``ListRequestsRequest.exact``: the engine core answers between its steps — how
 every call was answered before the front-end view), one after the other at each level. The
 client's session (the pollers, the streams) runs at autogroup nice -20 ahead of the agent's
-(``bench.common.favour_this_session``; without it the kernel starved it for seconds: see
+(``devstack.agentproc.favour_this_session``; without it the kernel starved it for seconds: see
 ``bench.common.PauseMonitor``).
 """
 
@@ -36,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import PauseMonitor, favour_this_session  # noqa: E402
+from bench.common import PauseMonitor  # noqa: E402
+from devstack.agentproc import favour_this_session  # noqa: E402
 
 
 def poll(addr: str, out, stop, env: dict, exact: bool = False) -> None:

@@ -34,11 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, favour_this_session, machine  # noqa: E402
+from bench.common import emit, machine  # noqa: E402
 
 from bench.healthy_path import closed_loop, prompt_text  # noqa: E402
 from bench.request_phases import series  # noqa: E402
-from devstack.agentproc import AgentProcess, ensure_credentials, execute_switch  # noqa: E402
+from devstack.agentproc import (AgentProcess, ensure_credentials, execute_switch,  # noqa: E402
+                               favour_this_session)
 from devstack.modelgen import make_model  # noqa: E402
 from node_agent.engine_plugin.worker_side import STEP_TIMING_ENV  # noqa: E402
 from remp.common.v1 import types_pb2  # noqa: E402

@@ -9,7 +9,7 @@ both alive). Per pair: one uncounted request to the target (its workers spinning
 steady load), then the measured one (60 random tokens in, ``--max-tokens`` out, non-streaming);
 the order of the two targets alternates. Reported: p50 / p10 over every request and over those
 no gap of the client's session overlapped (``bench.common.PauseMonitor``). The client's session
-runs at autogroup nice -20 (``bench.common.favour_this_session``).
+runs at autogroup nice -20 (``devstack.agentproc.favour_this_session``).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import PauseMonitor, emit, favour_this_session, machine  # noqa: E402
+from bench.common import PauseMonitor, emit, machine  # noqa: E402
 
 
 def main() -> int:
     import httpx
 
     from bench.healthy_path import PlainVllm, cpu_by_role
-    from devstack.agentproc import AgentProcess, ensure_credentials
+    from devstack.agentproc import AgentProcess, ensure_credentials, favour_this_session
     from devstack.modelgen import make_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
