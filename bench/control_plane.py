@@ -3,6 +3,13 @@
     python bench/control_plane.py [--switches 20] [--nodes 1000] [--json] [--out FILE]
                                   [--log-dir DIR] [--engine-priority low|equal|both]
                                   [--no-spin-agent]
+    python bench/control_plane.py --ha [--baseline-rev REV] [--switches N] [--out FILE] ...
+
+--ha: with HA in the path (main_ha): a Redis primary, replica and three sentinels (RedisHA, as
+`remp up --ha`), controllers with a leader lease reaching Redis through redis+sentinel:// and
+waiting for a replica (WAIT 1); with --baseline-rev the controller of that commit runs side by
+side with this tree's, each with its own agent, switches interleaved per engine priority. Also
+the Reconfigure RPC's own latency, and the controller's timeline of each switch (its log).
 
 Overhead: a real Redis, controller and node agent (tiny model, vLLM CPU, TP2PP1 ↔ TP1PP2, no
 load). For each switch: the client's wall time from sending Reconfigure to receiving the
@@ -53,6 +60,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -73,7 +81,7 @@ from devstack.agentproc import (AgentProcess, ControllerProcess, ensure_credenti
 from remp.common.v1 import types_pb2  # noqa: E402
 from remp.controller.v1 import controller_pb2  # noqa: E402
 from devstack.modelgen import make_model  # noqa: E402
-from remp.redisproc import RedisServer  # noqa: E402
+from remp.redisproc import RedisHA, RedisServer  # noqa: E402
 from remp.topology import ModelShape, Topology  # noqa: E402
 
 DONE = {controller_pb2.EVENT_TYPE_SWITCH_DONE, controller_pb2.EVENT_TYPE_SWITCH_FAILED,
@@ -89,18 +97,26 @@ def _wall(ts) -> float:
     return ts.ToNanoseconds() / 1e9
 
 
-def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list[dict]:
+def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode,
+                     ctl_for: dict[str, ControllerProcess] | None = None,
+                     node_for: dict[str, str] | None = None,
+                     failures: list[dict] | None = None) -> list[dict]:
     """One switch at a time, switch i under ``modes[i]`` (``set_mode`` applies it, on the node
-    ``MODES[mode]`` names); per switch the client's wall times plus the timestamps the system
+    ``MODES[mode]`` names — or ``node_for[mode]``, through ``ctl_for[mode]``: the --ha run's
+    two controllers); per switch the client's wall times plus the timestamps the system
     itself reports (the controller's Event.at, the agent's record started_at / finished_at; all
-    processes share this host's clock), so the overhead splits into where it was spent."""
+    processes share this host's clock), so the overhead splits into where it was spent. With
+    ``failures`` a switch refused or not SUCCEEDED is listed there and the run goes on."""
     out = []
     count: dict[str, int] = {}
     prev = None
-    with grpc.insecure_channel(ctl.addr) as ch:
-        stub = ctl.stub(ch)
+    ctls = {m: (ctl_for or {}).get(m, ctl) for m in set(modes)}
+    with contextlib.ExitStack() as chans:
+        stubs = {m: c.stub(chans.enter_context(grpc.insecure_channel(c.addr)))
+                 for m, c in ctls.items()}
         for mode in modes:
-            node = MODES[mode][0]
+            stub = stubs[mode]
+            node = (node_for or {}).get(mode) or MODES[mode][0]
             if prev is not None and node != prev:
                 time.sleep(1.2)  # the other engine's workers may still spin after its switch
             prev = node
@@ -111,23 +127,38 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list
             opened = threading.Event()
 
             def watch():
-                stream = stub.Watch(controller_pb2.WatchRequest(node=node), timeout=120)
+                stream = got["stream"] = stub.Watch(controller_pb2.WatchRequest(node=node),
+                                                    timeout=120)
                 opened.set()
-                for ev in stream:
-                    got["events"].append((time.time(), ev))
-                    if ev.switch_id and ev.switch_id == got.get("sid") and ev.type in DONE:
-                        got["t_done"] = time.perf_counter()
-                        stream.cancel()
-                        return
-                    if ev.type in DONE:  # done before we learnt the id: keep it
-                        got.setdefault("early", []).append((time.perf_counter(), ev))
+                try:
+                    for ev in stream:
+                        got["events"].append((time.time(), ev))
+                        if ev.switch_id and ev.switch_id == got.get("sid") and ev.type in DONE:
+                            got["t_done"] = time.perf_counter()
+                            stream.cancel()
+                            return
+                        if ev.type in DONE:  # done before we learnt the id: keep it
+                            got.setdefault("early", []).append((time.perf_counter(), ev))
+                except grpc.RpcError as exc:  # cancelled by the caller: a refused Reconfigure
+                    if exc.code() != grpc.StatusCode.CANCELLED:
+                        raise
             th = threading.Thread(target=watch)
             th.start()
             opened.wait(10)
             time.sleep(0.2)  # the stream is registered server-side
             w0, t0 = time.time(), time.perf_counter()
-            r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=node, target=target),
-                                 timeout=30)
+            try:
+                r = stub.Reconfigure(controller_pb2.ReconfigureRequest(node=node, target=target),
+                                     timeout=30)
+            except grpc.RpcError as exc:
+                if failures is None:
+                    raise
+                got["stream"].cancel()
+                th.join(30)
+                count[node] -= 1  # the same target again next time
+                failures.append({"mode": mode, "error": f"{exc.code().name}: "
+                                 f"{(exc.details() or '')[:300]}"})
+                continue
             t_returned = time.perf_counter()
             got["sid"] = r.switch_id
             th.join(120)
@@ -137,7 +168,16 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list
                         got["t_done"] = t
             rec = stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=r.switch_id), timeout=10)
             if rec.outcome != types_pb2.SWITCH_OUTCOME_SUCCEEDED:
-                raise RuntimeError(f"switch {r.switch_id} ended {rec.outcome}: {rec.error.message}")
+                if failures is None:
+                    raise RuntimeError(f"switch {r.switch_id} ended {rec.outcome}: "
+                                       f"{rec.error.message}")
+                if rec.outcome in (types_pb2.SWITCH_OUTCOME_ROLLED_BACK,
+                                   types_pb2.SWITCH_OUTCOME_ABORTED):
+                    count[node] -= 1
+                failures.append({"mode": mode, "switch_id": r.switch_id,
+                                 "error": f"{types_pb2.SwitchOutcome.Name(rec.outcome)}: "
+                                          f"{rec.error.message[:300]}"})
+                continue
             e2e = got["t_done"] - t0
             mine = [(t, ev) for t, ev in got["events"] if ev.switch_id == r.switch_id]
             accepted = next(ev for _, ev in mine if ev.phase == types_pb2.PHASE_SERVING_OLD)
@@ -148,7 +188,7 @@ def measure_overhead(ctl: ControllerProcess, modes: list[str], set_mode) -> list
                 "switch_id": r.switch_id, "engine_priority": mode, "e2e_s": e2e,
                 "engine_s": rec.total_seconds,
                 "overhead_ms": (e2e - rec.total_seconds) * 1e3,
-                "reconfigure_rpc_ms": round((t_returned - t0) * 1e3, 2),
+                "reconfigure_rpc_ms": round((t_returned - t0) * 1e3, 2), "sent_wall": w0,
                 # where the overhead went, by the reporting processes' own clocks
                 "split_ms": {
                     "client_to_accepted": ms(w0, _wall(accepted.at)),
@@ -287,7 +327,7 @@ def engine_cpu_around_a_switch(ctl: ControllerProcess, agent: AgentProcess, set_
 
 def summary(rows: list[dict]) -> dict:
     ov = [r["overhead_ms"] for r in rows]
-    splits = list(rows[0]["split_ms"])
+    splits = [k for k in rows[0]["split_ms"] if all(k in r["split_ms"] for r in rows)]
     return {
         "switches": len(rows),
         "overhead_p50_ms": statistics.median(ov),
@@ -302,6 +342,210 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- --ha
+# Two controllers side by side on one Redis HA group (primary, replica, three sentinels: RedisHA,
+# as `remp up --ha` starts it), each as an HA deployment runs it — a leader lease
+# (REMP_CONTROLLER_LEADER_LEASE_SECONDS), Redis through the redis+sentinel:// location, WAIT for
+# one replica (REMP_CONTROLLER_REDIS_WAIT_REPLICAS=1, what `remp up --ha` sets) — and every other
+# setting at its default. "baseline": the code of --baseline-rev (git archive of that commit, run
+# from its own tree); "current": this working tree. Each has its own key prefix and its own agent
+# (equal priority, --worker-spin-seconds 0.02 as `remp up` starts CPU agents); the switches
+# alternate between them in pairs, so both see the same machine at the same time.
+HA_NODES = {"baseline": "bench-cp-base", "current": "bench-cp-ha"}
+HA_ENV = {"REMP_CONTROLLER_LEADER_LEASE_SECONDS": "3",
+          "REMP_CONTROLLER_REDIS_WAIT_REPLICAS": "1"}
+
+
+class TreeControllerProcess(ControllerProcess):
+    """A controller run from another source tree (``tree``: a git archive of an older commit)."""
+
+    tree: Path | None = None
+
+    def launch(self, env: dict[str, str]) -> None:
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", *self.command()], stdout=self._log,
+            stderr=subprocess.STDOUT, cwd=self.tree, start_new_session=True,
+            env={**os.environ, "REMP_LOG_FORMAT": "json", **env, "PYTHONPATH": str(self.tree)})
+
+
+def export_tree(rev: str, dest: Path) -> str:
+    """The repository at ``rev`` in ``dest`` (no .git); its full commit id."""
+    full = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
+                          check=True, capture_output=True, text=True).stdout.strip()
+    dest.mkdir(parents=True)
+    arc = subprocess.Popen(["git", "archive", full], cwd=ROOT, stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=arc.stdout, check=True)
+    if arc.wait() != 0:
+        raise RuntimeError(f"git archive {full} failed")
+    return full
+
+
+def wait_leading(ctl: ControllerProcess, timeout: float = 30) -> None:
+    """Until the controller has taken its lease (a no-op write answers, not 'not the leader')."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(ctl.addr) as ch:
+        stub = ctl.stub(ch)
+        while True:
+            try:
+                stub.Reconfigure(controller_pb2.ReconfigureRequest(node="no-such-node",
+                                 target=types_pb2.Topology(tp=1, pp=1)), timeout=5)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+
+def controller_timelines(log_dir: Path) -> dict[str, dict]:
+    """Per switch id the controller's own timeline (its controller.switch_finished log line:
+    ms after the RPC came in, on the controller's monotonic clock)."""
+    out = {}
+    for path in log_dir.glob("ctl-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"controller.switch_finished"' not in line:
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            out[d.get("switch_id", "")] = (d.get("controller_ms", {}), d.get("t0_wall"))
+    return out
+
+
+def main_ha(a) -> int:
+    codes = ["baseline", "current"] if a.baseline_rev else ["current"]
+    prios = ["low", "equal"] if a.engine_priority == "both" else [a.engine_priority]
+    kinds = [f"{c}-{p}" for p in prios for c in codes]
+    modes = [kinds[(i // 2) % len(kinds)] for i in range(len(kinds) * a.switches)]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "controller"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    with tempfile.TemporaryDirectory(prefix="remp-bench-cp-ha-") as tmp, \
+            RedisHA(persist=True) as group:
+        logs = a.log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        model = make_model(Path(tmp) / "tiny-llama")
+        ensure_credentials(Path(tmp))
+        ctls: dict[str, ControllerProcess] = {}
+        base_rev = ""
+        if a.baseline_rev:
+            base = TreeControllerProcess(group.url, log_dir=logs, name="ctl-ha-baseline",
+                                         env={**HA_ENV, "REMP_CONTROLLER_REDIS_PREFIX": "base:"})
+            base.tree = Path(tmp) / "baseline"
+            base_rev = export_tree(a.baseline_rev, base.tree)
+            ctls["baseline"] = base
+        ctls["current"] = ControllerProcess(group.url, log_dir=logs, name="ctl-ha-current",
+                                            env={**HA_ENV, "REMP_CONTROLLER_REDIS_PREFIX": "cur:"})
+        try:
+            for c in ctls.values():
+                c.start().wait_ready()
+                wait_leading(c)
+            with contextlib.ExitStack() as stack:
+                agents = {}
+                for k, c in ctls.items():
+                    agents[k] = AgentProcess(model, tp=2, pp=1, dtype="float32", log_dir=logs,
+                                             node=HA_NODES[k], extra=["--controller", c.addr],
+                                             kv_cache_gib=1)  # worker spin 0.02: AgentProcess's
+                    stack.enter_context(agents[k])
+                for k, c in ctls.items():
+                    c.wait_node_ready(HA_NODES[k], timeout=600)
+                autogroup = {k: Path(f"/proc/{ag.proc.pid}/autogroup")
+                             for k, ag in agents.items()}
+
+                def set_mode(mode: str) -> None:
+                    # the switched agent's session at the mode's autogroup nice (the module
+                    # docstring's "low": a controller on its own host), the other at 0
+                    code, prio = mode.split("-")
+                    for k, path in autogroup.items():
+                        path.write_text(str(19 if k == code and prio == "low" else 0))
+
+                tree = own_tree()
+                busy0, tree0, t0 = cpu_busy_s(), cpu_s(tree), time.monotonic()
+                failures: list[dict] = []
+                rows = measure_overhead(ctls["current"], modes, set_mode,
+                                        ctl_for={m: ctls[m.split("-")[0]] for m in kinds},
+                                        node_for={m: HA_NODES[m.split("-")[0]] for m in kinds},
+                                        failures=failures)
+                busy1, tree1, t1 = cpu_busy_s(), cpu_s(tree), time.monotonic()
+        finally:
+            for c in ctls.values():
+                c.stop()
+    timelines = controller_timelines(logs)
+    for r in rows:
+        r["controller_ms"], t0_wall = timelines.get(r["switch_id"], ({}, None))
+        if t0_wall is not None and "final_event" in r["controller_ms"]:
+            # the overhead's last legs by the controller's clock: the agent's record complete
+            # → the controller's driver has it (the agent's stream, which vLLM's spinning
+            # workers can hold up) → its SWITCH_DONE event written
+            got = t0_wall + r["controller_ms"]["final_event"] / 1e3
+            end = r["sent_wall"] + r["engine_s"] + r["split_ms"]["accepted_to_agent_start"] / 1e3 \
+                + r["split_ms"]["client_to_accepted"] / 1e3
+            r["split_ms"]["agent_end_to_controller_has_record"] = round((got - end) * 1e3, 2)
+            r["split_ms"]["controller_has_record_to_done_event"] = round(
+                r["split_ms"]["agent_end_to_done_event"] - (got - end) * 1e3, 2)
+        if t0_wall is not None and "begun" in r["controller_ms"]:
+            # the RPC's two network legs (controllers that log their rpc_in wall time)
+            r["rpc_legs_ms"] = {
+                "client_to_rpc_in": round((t0_wall - r["sent_wall"]) * 1e3, 2),
+                "begun_to_client": round(r["reconfigure_rpc_ms"] - r["controller_ms"]["begun"]
+                                         - (t0_wall - r["sent_wall"]) * 1e3, 2)}
+    ours = sum(tree1[k] - tree0.get(k, 0.0) for k in tree1)
+    by = {k: [r for r in rows if r["engine_priority"] == k] for k in kinds}
+
+    def timeline_p50(rs: list[dict]) -> dict:
+        keys = [k for k in (rs[0]["controller_ms"] if rs else {}) if
+                all(k in r["controller_ms"] for r in rs)]
+        return {k: statistics.median(r["controller_ms"][k] for r in rs) for k in keys}
+
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} cpus={len(os.sched_getaffinity(0))} "
+                   f"{platform.processor() or platform.node()}".strip(),
+        "command": "python bench/control_plane.py " + " ".join(sys.argv[1:]),
+        "setup": ("Redis HA (primary, replica, 3 sentinels; redis+sentinel:// location), "
+                  "leader lease 3 s, WAIT 1 replica, other settings default; one agent per "
+                  "controller (TP2PP1<->TP1PP2, tiny model, vLLM CPU, equal priority, worker spin "
+                  "0.02 s); switches alternate between the two in pairs"),
+        "baseline_rev": base_rev, "current_rev": head + ("+uncommitted" if dirty else ""),
+        **{k: {**summary(by[k]), "controller_timeline_p50_ms": timeline_p50(by[k]),
+               "failed": [f for f in failures if f["mode"] == k]} for k in kinds},
+        "other_load_cpus": round(max(0.0, (busy1 - busy0) - ours) / (t1 - t0), 2),
+        "per_switch": [{k: v for k, v in r.items() if k not in ("e2e_s", "engine_s")}
+                       | {"code": r["engine_priority"], "e2e_ms": round(r["e2e_s"] * 1e3, 2),
+                          "engine_ms": round(r["engine_s"] * 1e3, 2),
+                          "overhead_ms": round(r["overhead_ms"], 2)} for r in rows],
+    }
+    for r in result["per_switch"]:
+        r.pop("engine_priority", None)
+    print(f"\nremp control plane with HA in the path — {result['setup']}")
+    print(f"{'':36}" + "".join(f"{k + ' p50':>18}{k + ' p99':>18}" for k in kinds))
+    for label, key, p99 in (("overhead per switch (ms)", "overhead_p50_ms", "overhead_p99_ms"),):
+        print(f"{label:36}" + "".join(f"{result[k][key]:>18.1f}{result[k][p99]:>18.1f}"
+                                      for k in kinds) + "   target p50 <= 10")
+    print(f"{'Reconfigure RPC (ms)':36}" + "".join(
+        f"{result[k]['reconfigure_rpc_p50_ms']:>18.1f}{'':18}" for k in kinds) + "   target <= 5")
+    for s in dict.fromkeys(x for k in kinds for x in result[k]["overhead_split_p50_ms"]):
+        print(f"{'  ' + s:36}" + "".join(
+            f"{result[k]['overhead_split_p50_ms'].get(s, float('nan')):>18.1f}" f"{'':18}"
+            for k in kinds))
+    for k in kinds:
+        print(f"controller timeline p50, {k} (ms after the RPC came in): "
+              + ", ".join(f"{n} {v:.1f}" for n, v in result[k]["controller_timeline_p50_ms"].items()))
+    print(f"other work on this machine during the switches: {result['other_load_cpus']} CPUs")
+    for f in failures:  # refused or not SUCCEEDED: not in the figures above
+        print(f"failed ({f['mode']}): {f['error']}")
+    if a.out:
+        rows_txt = ",\n    ".join(json.dumps(r, ensure_ascii=False) for r in result["per_switch"])
+        text = json.dumps({**result, "per_switch": "@ROWS@"}, indent=2, ensure_ascii=False)
+        a.out.write_text(text.replace('"@ROWS@"', f"[\n    {rows_txt}\n  ]") + "\n")
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--switches", type=int, default=20, help="per engine priority")
@@ -312,7 +556,14 @@ def main() -> int:
     ap.add_argument("--engine-priority", choices=("low", "equal", "both"), default="both")
     ap.add_argument("--no-spin-agent", dest="spin_agent", action="store_false",
                     help="skip the second agent (--worker-spin-seconds 0.02, equal priority)")
+    ap.add_argument("--ha", action="store_true",
+                    help="with HA in the path: Redis primary+replica+3 sentinels, leader lease, "
+                         "WAIT 1 replica (see main_ha); overhead and the Reconfigure RPC only")
+    ap.add_argument("--baseline-rev", metavar="REV",
+                    help="--ha: also run the controller of this commit, side by side")
     a = ap.parse_args()
+    if a.ha:
+        return main_ha(a)
     kinds = ["low", "equal"] if a.engine_priority == "both" else [a.engine_priority]
     if a.spin_agent:
         kinds.append("equal-spin20ms")

@@ -23,7 +23,7 @@ from controller.leader import Solo
 from controller.model import (AbortResult, EngineInfo, Error, Event, EventType, Heartbeat,
                               HostFacts, ModelFacts, NodeHealth, NodeState, ReconfigureResult,
                               Recovery, RecoveryDecision, Registration, SwitchOrder,
-                              SwitchRecord, TrafficSample)
+                              SwitchProgress, SwitchRecord, TrafficSample)
 from controller.planner import NodeFacts, Plan, check_target, plan_switch
 from controller.ports import AgentPort
 from controller.store import EVENTS_MAXLEN, Store, SwitchRow, decode_reg, parse_event
@@ -100,6 +100,10 @@ class Controller:
         self.watch_limits = WatchLimits(settings.watch_max_per_caller, settings.watch_max_total)
         self._tasks: set[asyncio.Task] = set()
         self._cache: dict[str, NodeState] = {}  # last known, for stale reads
+        # the leader's last read of each node's hash (reg, observed, ...) that Reconfigure
+        # plans from without reading it again; the slot-taking script checks it is still
+        # current (registration and observed topology), else it is read afresh
+        self._known: dict[str, tuple[dict[str, str], Registration]] = {}
         self._paused = asyncio.Event()  # test hook: set when a driver froze
         self._t: dict[str, dict[str, float]] = {}  # per-switch driver timestamps (logged)
         from controller.recovery import RecoveryCoordinator
@@ -129,6 +133,7 @@ class Controller:
     async def lead(self) -> None:
         """Taking over: recover unfinished switches (each finished or rolled back from its
         agent's truth, never run twice), start the lease sweeper, resume active rollouts."""
+        self._known.clear()
         for sid in await self.store.unfinished():
             row = await self.store.switch(sid)
             if row is not None:
@@ -136,6 +141,7 @@ class Controller:
                          dispatched=row.dispatched)
                 self.spawn(self._reconcile_forever(row))
         self.spawn(self._sweep_leases())
+        self.spawn(self._keep_switch_lane_warm())
         await self.rollouts.resume_all()
 
     async def step_down(self) -> None:
@@ -143,6 +149,7 @@ class Controller:
         the next leader reconciles them and resumes the rollouts)."""
         await self._cancel_tasks()
         self.rollouts.forget_drivers()
+        self._known.clear()
 
     async def stop(self) -> None:
         await self._cancel_tasks()
@@ -274,7 +281,7 @@ class Controller:
                           reason: str) -> ReconfigureResult:
         self.leadership.require()
         tl = {"rpc_in": time.perf_counter()}  # this switch's timeline (logged when it finishes)
-        for _ in range(3):
+        for _ in range(4):  # the first may have planned from this controller's last read
             resp = await self._reconfigure(name, target, request_id, reason, tl)
             if resp is not None:
                 return resp
@@ -284,17 +291,39 @@ class Controller:
     async def _reconfigure(self, name: str, target: Topology, request_id: str,
                            reason: str, tl: dict[str, float]) -> ReconfigureResult | None:
         """One attempt; None when the node's topology changed between reading it and taking
-        the switch slot (the decision — noop or from which topology — is made again)."""
-        h, reg = await self._node(name)
+        the switch slot (the decision — noop or from which topology — is made again).
+
+        Accept first, check asynchronously: what Redis knows is checked before the answer
+        (unknown node, target, a duplicate request id, lost, draining — one round trip, none
+        when this leader read the node before: the slot-taking script then checks that the
+        registration and the observed topology are still those, and lost, draining, busy and
+        held by a rollout as always); the switch is then recorded (acknowledged by a replica
+        when configured) and answered. The driver then asks the agent's health while it
+        writes the intent to dispatch; an agent that does not answer SERVING ends the switch
+        ROLLED_BACK before anything is sent (``AGENT_UNAVAILABLE``: the node keeps its
+        topology)."""
+        if not name:
+            raise InvalidArgument("node is required")
+        prev, known = None, self._known.get(name)
+        if known is not None:
+            h, reg = known
+        else:
+            h, prev = await self.store.node_and_request(name, request_id)
+            if h is None:
+                raise NotFound(f"unknown node {name!r} (ListNodes shows the registered ones)")
+            reg = decode_reg(h)
+            self._known[name] = (h, reg)
         tl["node_read"] = time.perf_counter()
         _check_topology_fields(target)
         current = Topology.parse(h.get("observed") or topo_str(reg.topology))
         tgt = Topology(target.tp, target.pp)
+        if known and (tgt == current or h.get("health") == "lost" or h.get("draining") == "1"
+                      or not _fits(reg, current, tgt)):
+            self._known.pop(name, None)  # a noop or a refusal: decided on a fresh read
+            return None
         check_target(facts_of(reg, None), current, tgt)
-        if request_id:
-            prev = await self.store.switch_for_request(name, request_id)
-            if prev:
-                return ReconfigureResult(switch_id=prev, duplicate=True)
+        if prev:
+            return ReconfigureResult(switch_id=prev, duplicate=True)
         if h.get("health") == "lost":
             raise Unavailable(f"node {name!r} is lost (its lease expired); it must re-register")
         if h.get("draining") == "1":
@@ -313,16 +342,21 @@ class Controller:
             if status == "dup":
                 return ReconfigureResult(switch_id=other, duplicate=True)
             return ReconfigureResult(switch_id=sid, noop=True)
-        await self.agents.check_serving(reg.agent_address)  # unreachable → no state change
-        tl["agent_checked"] = time.perf_counter()
         ev = self._event(EventType.SWITCH_PHASE, name, sid,
                          phase=Phase.SERVING_OLD, detail=f"accepted {current} → {tgt}")
         status, other = await self.store.begin(name, sid, request_id, to_json(rec), now,
-                                               str(tgt), ev, observed=h.get("observed", ""))
+                                               str(tgt), ev, observed=h.get("observed", ""),
+                                               reg_json=h.get("reg", ""))
+        if status != "ok":
+            self._known.pop(name, None)
         if status == "notfound":
             raise NotFound(f"unknown node {name!r}")
         if status == "dup":
             return ReconfigureResult(switch_id=other, duplicate=True)
+        if status == "lost":
+            raise Unavailable(f"node {name!r} is lost (its lease expired); it must re-register")
+        if status == "draining":
+            raise FailedPrecondition(f"node {name!r} is draining; it must re-register to serve")
         if status == "busy":
             raise FailedPrecondition(f"switch {other} is running on node {name}; wait for it "
                                      "(Watch) or abort it")
@@ -347,25 +381,52 @@ class Controller:
             await asyncio.Event().wait()  # until the test kills us
 
     async def _drive(self, address: str, rec: SwitchRecord) -> None:
+        """Dispatch the accepted switch and follow the agent's progress to the finished record.
+        The agent's health is asked while the intent to dispatch is written; an agent that is
+        not SERVING ends the switch before anything is sent (ROLLED_BACK, AGENT_UNAVAILABLE).
+        Phases the agent reported while the previous write was under way are written together
+        (one script, every event kept)."""
         sid = rec.switch_id
         self._t.setdefault(sid, {})["accepted"] = time.perf_counter()
+        health = asyncio.ensure_future(self.agents.check_serving(address))
+        pump = None
         try:
             await self._pause_point("ACCEPTED")
             if not await self.store.dispatch(sid):
                 log.info("controller.not_dispatched", switch_id=sid)  # aborted meanwhile
                 return
+            self._t[sid]["dispatch_written"] = time.perf_counter()
             await self._pause_point("DISPATCHED")
+            if not await self._agent_serving(rec, health):
+                return
             order = SwitchOrder(target=rec.to_topology, switch_id=sid, epoch=rec.epoch,
                                 reason=rec.reason)
             phase, final = Phase.SERVING_OLD, None
             self._t[sid]["dispatched"] = time.perf_counter()
-            events = self.agents.execute_switch(address, order)
-            while True:
-                try:
-                    ev = await anext(events)
-                except StopAsyncIteration:
+            pump = _Pump(self.agents.execute_switch(address, order))
+            one = bool(self.s.test_pause_at)  # pause points: every phase written alone
+            while final is None:
+                steps: list[tuple[int, str]] = []  # phases reported, not written yet
+                end = None  # _EOF or the exception that ended the stream
+                for item in await pump.take(one):
+                    if not isinstance(item, SwitchProgress):
+                        end = item
+                        break
+                    self._t[sid].setdefault("first_event", time.perf_counter())
+                    if item.record is not None:
+                        final = item.record
+                        self._t[sid]["final_event"] = time.perf_counter()
+                        break
+                    if item.phase != (steps[-1][0] if steps else phase):
+                        steps.append((item.phase, item.detail))
+                if steps:
+                    rec = await self._advance_many(rec, phase, steps)
+                    phase = rec.phase
+                    await self._pause_point(Phase(phase).name)
+                if end is _EOF:
                     break
-                except RempError as err:  # the stream failed: the agent's answer, typed
+                if isinstance(end, RempError):  # the stream failed: the agent's answer, typed
+                    err = end
                     if isinstance(err, (FailedPrecondition, InvalidArgument)) and final is None \
                             and phase == Phase.SERVING_OLD:
                         # the agent refused before starting (busy, stale epoch, invalid target)
@@ -380,15 +441,8 @@ class Controller:
                     if row is not None:
                         await self._reconcile_forever(row)
                     return
-                self._t[sid].setdefault("first_event", time.perf_counter())
-                if ev.record is not None:
-                    final = ev.record
-                    self._t[sid]["final_event"] = time.perf_counter()
-                    break
-                if ev.phase != phase:
-                    rec = await self._advance(rec, phase, ev.phase, ev.detail)
-                    phase = rec.phase
-                    await self._pause_point(Phase(ev.phase).name)
+                if end is not None:
+                    raise end
             if final is None:
                 row = await self.store.switch(sid)
                 if row is not None:
@@ -411,14 +465,43 @@ class Controller:
             await self._reconcile_forever(row)
         except Exception as exc:  # noqa: BLE001 - keep the controller up; record stays unfinished
             log.error("controller.driver_failed", switch_id=sid, error=repr(exc))
+        finally:
+            _drop(health)
+            if pump is not None:
+                pump.close()
+
+    async def _agent_serving(self, rec: SwitchRecord, health: asyncio.Future) -> bool:
+        """Whether the agent answered its health check SERVING; if not, the switch is
+        finished ROLLED_BACK before anything was sent (AGENT_UNAVAILABLE, retryable)."""
+        try:
+            await health
+        except RempError as exc:  # check_serving: Unavailable (unreachable, not serving)
+            self._t.get(rec.switch_id, {})["agent_checked"] = time.perf_counter()
+            log.warning("controller.agent_check_failed", switch_id=rec.switch_id,
+                        node=rec.node, phase="SERVING_OLD", error=str(exc))
+            await self._finish(replace(
+                rec, outcome=Outcome.ROLLED_BACK, phase=Phase.ROLLED_BACK, error=Error(
+                    code="AGENT_UNAVAILABLE",
+                    message=(f"{exc}; the switch was not sent: node {rec.node} keeps "
+                             f"{topo_str(rec.from_topology)}")[:1024],
+                    phase=Phase.SERVING_OLD, retryable=True)))
+            return False
+        self._t.get(rec.switch_id, {})["agent_checked"] = time.perf_counter()
+        return True
 
     async def _advance(self, rec: SwitchRecord, expected: int, phase: int,
                        detail: str) -> SwitchRecord:
         """``rec`` in ``phase``, persisted (compare-and-set on the ``expected`` phase)."""
-        rec = replace(rec, phase=phase)
-        ev = self._event(EventType.SWITCH_PHASE, rec.node, rec.switch_id,
-                         phase=phase, detail=detail)
-        if not await self.store.advance(rec.switch_id, expected, phase, to_json(rec), ev):
+        return await self._advance_many(rec, expected, [(phase, detail)])
+
+    async def _advance_many(self, rec: SwitchRecord, expected: int,
+                            steps: list[tuple[int, str]]) -> SwitchRecord:
+        """``rec`` through each (phase, detail) of ``steps``, each with its event, persisted
+        in one compare-and-set on the ``expected`` phase; ``rec`` in the last phase."""
+        rec = replace(rec, phase=steps[-1][0])
+        evs = [(phase, self._event(EventType.SWITCH_PHASE, rec.node, rec.switch_id,
+                                   phase=phase, detail=detail)) for phase, detail in steps]
+        if not await self.store.advance_many(rec.switch_id, expected, evs, to_json(rec)):
             raise FailedPrecondition(f"switch {rec.switch_id} changed under us (another "
                                      "controller, or an abort)")
         return rec
@@ -439,12 +522,16 @@ class Controller:
                                        observed, ev)
         if done:
             metrics.controller().observe(_switch_facts(rec, outcome))
+            if observed and rec.node in self._known:  # the next switch plans from it
+                h, reg = self._known[rec.node]
+                self._known[rec.node] = ({**h, "observed": observed, "current": ""}, reg)
         t = self._t.pop(rec.switch_id, {})
         t["finished"] = time.perf_counter()
         t0 = t.get("rpc_in", t.get("accepted", t["finished"]))
         log.info("controller.switch_finished", switch_id=rec.switch_id, outcome=outcome,
                  recorded=done, total_s=round(rec.total_seconds, 3),
                  t0_mono=round(t0, 6),
+                 t0_wall=round(time.time() - (time.perf_counter() - t0), 6),
                  controller_ms={k: round((v - t0) * 1e3, 2) for k, v in t.items()})
 
     async def _reconcile_forever(self, row: SwitchRow) -> None:
@@ -639,6 +726,15 @@ class Controller:
                 if sub.matches(ev):
                     yield ev
 
+    async def _keep_switch_lane_warm(self, period: float = 0.5) -> None:
+        """A PING on the switch lane every ``period`` s while leading: a pooled connection idle
+        for more than a second is PINGed before its next command (the stale-connection check,
+        controller.store), which would otherwise be one more round trip inside the first
+        Reconfigure after a quiet second."""
+        while True:
+            await asyncio.sleep(period)
+            await self.store.ping()
+
     async def _sweep_leases(self) -> None:
         period = max(0.2, self.s.lease_seconds / 4)
         # While no controller ran, no agent could renew its lease: a lease that ran out then is
@@ -659,6 +755,48 @@ class Controller:
                             self.spawn(self.recovery.recover_lost_retrying(name))
             except Unavailable as exc:
                 log.warning("controller.sweep_failed", error=str(exc))
+
+
+_EOF = object()  # _Pump: the agent's stream ended
+
+
+class _Pump:
+    """An agent's ExecuteSwitch stream read ahead into a queue (its own task), so that the
+    driver takes every message that has arrived at once; the stream's end is :data:`_EOF`, a
+    failure the exception it raised."""
+
+    def __init__(self, stream: AsyncIterator[SwitchProgress]):
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._run(stream))
+
+    async def _run(self, stream: AsyncIterator[SwitchProgress]) -> None:
+        try:
+            async for ev in stream:
+                self.q.put_nowait(ev)
+            self.q.put_nowait(_EOF)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the driver, which decides
+            self.q.put_nowait(exc)
+
+    async def take(self, one: bool = False) -> list:
+        """The next message, and (unless ``one``) every one queued behind it."""
+        items = [await self.q.get()]
+        while not one and not self.q.empty():
+            items.append(self.q.get_nowait())
+        return items
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+def _drop(fut: asyncio.Future) -> None:
+    """A background check no longer wanted: cancelled, its outcome (if any) consumed."""
+    if fut.done():
+        if not fut.cancelled():
+            fut.exception()
+    else:
+        fut.cancel()
 
 
 LIMIT = 65536  # sanity bound on every count a registration carries
@@ -685,6 +823,15 @@ def _check_registration(req: Registration) -> None:
     if req.kv_bandwidth_bps < 0 or req.weight_bandwidth_bps < 0:
         raise InvalidArgument("bandwidths must be >= 0")
     validate.labels("labels", dict(req.labels))
+
+
+def _fits(reg: Registration, current: Topology, target: Topology) -> bool:
+    """Whether ``check_target`` accepts the switch (pure)."""
+    try:
+        check_target(facts_of(reg, None), current, target)
+    except InvalidArgument:
+        return False
+    return True
 
 
 def _check_topology_fields(t: Topology) -> None:

@@ -46,13 +46,19 @@ REQID_TTL_S = 7 * 24 * 3600
 _BEGIN = """
 -- KEYS: node, reqid (or ""), switch, unfinished, history_node, history_all, events
 -- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl,
---       observed (the topology the switch was planned from: it must still be the node's)
+--       observed (the topology the switch was planned from: it must still be the node's),
+--       reg (the registration JSON it was planned from, "": not checked; another → 'moved')
 -- Refuses ('held', rollout id) a node an active rollout holds unless the request id is that
--- rollout's.
+-- rollout's; ('lost') a node whose lease expired, ('draining') one being drained.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
 if KEYS[2] ~= '' then
   local prev = redis.call('GET', KEYS[2])
   if prev then return {'dup', prev} end
+end
+if redis.call('HGET', KEYS[1], 'health') == 'lost' then return {'lost', ''} end
+if redis.call('HGET', KEYS[1], 'draining') == '1' then return {'draining', ''} end
+if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], 'reg') ~= ARGV[11] then
+  return {'moved', redis.call('HGET', KEYS[1], 'observed') or ''}
 end
 local cur = redis.call('HGET', KEYS[1], 'current')
 if cur and cur ~= '' then return {'busy', cur} end
@@ -102,11 +108,17 @@ return 1
 """
 
 _ADVANCE = """
--- KEYS: switch, events;  ARGV: expected_phase, new_phase, record_json, event_json, maxlen
+-- KEYS: switch, events;  ARGV: expected_phase, record_json, maxlen, then one or more pairs
+-- (new_phase, event_json) in order: the phases the agent reported since, each its event; the
+-- record (with the last phase) replaces the stored one
 if redis.call('HGET', KEYS[1], 'outcome') ~= 'running' then return 0 end
 if redis.call('HGET', KEYS[1], 'phase') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'phase', ARGV[2], 'record', ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
+local last = ARGV[1]
+for i = 4, #ARGV - 1, 2 do
+  last = ARGV[i]
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[i + 1])
+end
+redis.call('HSET', KEYS[1], 'phase', last, 'record', ARGV[2])
 return 1
 """
 
@@ -490,15 +502,17 @@ class Store:
     # ---------------------------------------------------------------- switches
     async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
                     started: float, target: str, event: Event,
-                    observed: str) -> tuple[str, str]:
+                    observed: str, reg_json: str = "") -> tuple[str, str]:
         """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '') |
-        ('moved', observed now): the node's observed topology is no longer ``observed`` (a
-        switch finished or a heartbeat reported another one since it was read)."""
+        ('held', rollout id) | ('lost', '') | ('draining', '') | ('moved', observed now): the
+        node's observed topology is no longer ``observed`` (a switch finished or a heartbeat
+        reported another one since it was read), or its registration no longer ``reg_json``
+        (when given: the agent registered again)."""
         res = await self._run("begin", [
             self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
             self.k_unfinished, self.k_hist(node), self.k_hist(None), self.k_events,
         ], [switch_id, record_json, started, target, request_id, to_json(event), EVENTS_MAXLEN,
-            node, REQID_TTL_S, observed])
+            node, REQID_TTL_S, observed, reg_json])
         return res[0], res[1]
 
     async def noop(self, node: str, switch_id: str, request_id: str, record_json: str,
@@ -513,15 +527,35 @@ class Store:
     async def switch_for_request(self, node: str, request_id: str) -> str | None:
         return await self._call(self.r.get(self.k_reqid(node, request_id)))
 
+    async def node_and_request(self, node: str, request_id: str
+                               ) -> tuple[dict[str, str] | None, str | None]:
+        """The node's hash (None: unknown) and the switch an earlier request with
+        ``request_id`` started there (None: none, or no request id), in one round trip."""
+        if not request_id:
+            return await self.node(node), None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.k_node(node))
+        pipe.get(self.k_reqid(node, request_id))
+        h, prev = await self._call(pipe.execute())
+        return h or None, prev
+
     async def dispatch(self, switch_id: str) -> bool:
         return bool(await self._run("dispatch", [self.k_switch(switch_id)], []))
 
     async def advance(self, switch_id: str, expected_phase: int, new_phase: int,
                       record_json: str, event: Event) -> bool:
+        return await self.advance_many(switch_id, expected_phase, [(new_phase, event)],
+                                       record_json)
+
+    async def advance_many(self, switch_id: str, expected_phase: int,
+                           steps: list[tuple[int, Event]], record_json: str) -> bool:
+        """The switch from ``expected_phase`` through each of ``steps`` (phase, its event) in
+        one script: the phases an agent reported while the previous write was under way cost
+        one round trip, every event kept. False: not running, or not in ``expected_phase``."""
         # phases as plain numbers (redis-py writes an IntEnum member as its repr)
+        pairs = [x for phase, ev in steps for x in (int(phase), to_json(ev))]
         return bool(await self._run("advance", [self.k_switch(switch_id), self.k_events],
-                                    [int(expected_phase), int(new_phase), record_json,
-                                     to_json(event), EVENTS_MAXLEN]))
+                                    [int(expected_phase), record_json, EVENTS_MAXLEN, *pairs]))
 
     async def finish(self, switch_id: str, node: str, outcome: Outcome, phase: int, record_json: str,
                      observed: str, event: Event) -> bool:

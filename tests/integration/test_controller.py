@@ -1,7 +1,8 @@
 """The controller against a real Redis server and real gRPC, without an engine: registration,
-leases, validation, auth, paging, Redis outages, agent unreachable. (Switches through a real
-agent are in tests/e2e/test_controller_e2e.py; Watch caps and Redis pool lanes in
-test_controller_limits.py.)"""
+leases, validation, auth, paging, Redis outages. (Switches through a real agent are in
+tests/e2e/test_controller_e2e.py; Watch caps and Redis pool lanes in test_controller_limits.py;
+an unreachable agent — accepted, then rolled back by the background check — in
+test_controller_accept_first.py.)"""
 
 import secrets
 import threading
@@ -233,18 +234,6 @@ def test_errors_have_the_right_status(stub):
     code, _ = code_of(stub.Abort, controller_pb2.AbortRequest(switch_id="sw-x"),
                       timeout=5)
     assert code == grpc.StatusCode.NOT_FOUND
-
-
-def test_agent_unreachable_is_unavailable_and_changes_nothing(stub):
-    stub.RegisterNode(reg("a4"), timeout=5)
-    before = stub.ListSwitches(controller_pb2.ListSwitchesRequest(node="a4"), timeout=5)
-    code, msg = code_of(stub.Reconfigure, controller_pb2.ReconfigureRequest(
-        node="a4", target=types_pb2.Topology(tp=1, pp=2), request_id="r1"), timeout=10)
-    assert code == grpc.StatusCode.UNAVAILABLE and "unreachable" in msg
-    st = stub.GetState(controller_pb2.GetStateRequest(node="a4"), timeout=5)
-    assert (st.observed.tp, st.observed.pp) == (2, 1) and not st.HasField("current_switch")
-    after = stub.ListSwitches(controller_pb2.ListSwitchesRequest(node="a4"), timeout=5)
-    assert len(after.switches) == len(before.switches) == 0
 
 
 def test_noop_is_recorded_and_idempotent(stub):

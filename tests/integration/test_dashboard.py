@@ -115,8 +115,14 @@ def test_reconfigure_needs_the_header_and_maps_errors(dash, op):
     assert r.status_code == 400
     r = op.post(url, json={"node": "nope", "target": "TP1PP2"})
     assert r.status_code == 404 and r.json()["code"] == "NOT_FOUND"
+    # the agent is fake: accepted at once, rolled back by the controller's background check
     r = op.post(url, json={"node": "d1", "target": "TP1PP2"})
-    assert r.status_code == 503 and r.json()["code"] == "UNAVAILABLE"  # the agent is fake
+    assert r.status_code == 200 and r.json()["switch_id"], r.text
+    sid, deadline = r.json()["switch_id"], time.monotonic() + 30
+    while not any(s["switch_id"] == sid and s["outcome"] == "rolled_back" for s in
+                  httpx.get(dash.url + "/api/switches", timeout=5).json()["switches"]):
+        assert time.monotonic() < deadline, "the fake agent's switch did not end rolled back"
+        time.sleep(0.05)
     r = op.post(url, json={**body, "request_id": "dash-noop-1"})
     assert r.status_code == 200 and r.json()["noop"] is True
     sw = httpx.get(dash.url + "/api/switches", timeout=5).json()["switches"]
@@ -148,7 +154,7 @@ def test_read_only_without_an_operator_token(ctl, artifacts_dir, tmp_path):
 def test_controller_metrics_count_rpcs_and_redis_errors(dash, ctl, redis_server):
     text = httpx.get(ctl.metrics_url, timeout=5).text
     assert 'remp_controller_rpcs_total{code="OK",method="RegisterNode"}' in text
-    assert 'remp_controller_rpc_errors_total{code="UNAVAILABLE",method="Reconfigure"}' in text
+    assert 'remp_controller_rpc_errors_total{code="NOT_FOUND",method="Reconfigure"}' in text
     assert "# TYPE remp_controller_switch_phase_seconds histogram" in text
     redis_server.stop()  # last test of the module: Redis goes away
     with grpc.insecure_channel(ctl.addr) as ch:
