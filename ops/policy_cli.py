@@ -142,6 +142,9 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--hysteresis", type=float, help="goodput only")
     sv.add_argument("--dwell-override", type=float, help="goodput only")
     sv.add_argument("--retry-backoff-seconds", type=float)
+    sv.add_argument("--follow-switch-seconds", type=float,
+                    help="auto mode: how long a tick waits for a switch it asked for to end "
+                         "(default 10; the policy commits only a switch that succeeded)")
     sv.add_argument("--max-decisions", type=int)
     sv.add_argument("--rollout-min-nodes", type=int,
                     help="auto mode: this many nodes or more making the same move (not a "

@@ -58,6 +58,10 @@ class PolicySettings(BaseSettings):
     retry_backoff_seconds: float = Field(30.0, ge=0, description="after a Reconfigure that did not "
                                          "get an answer, wait this long before asking again (same "
                                          "request id)")
+    follow_switch_seconds: float = Field(10.0, ge=0, description="auto mode: how long a tick "
+                                         "waits for a switch it asked for to end (the policy "
+                                         "commits its state only when the switch succeeds; one "
+                                         "still running is checked again each tick)")
     max_decisions: int = Field(50_000, ge=10, description="decisions kept (memory and Redis)")
     rollout_min_nodes: int = Field(2, ge=0, description="auto mode: this many nodes or more "
                                    "making the same move (not a scale-up) go as one rollout with "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from policy.service import NodeView, ReconfigureResult, Sample
+from policy.service import NodeView, ReconfigureResult, Sample, SwitchResult
 from remp.auth import Credentials
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
@@ -43,6 +43,22 @@ def topo_to_proto(t: Topology) -> types_pb2.Topology:
 
 def _topo(t: types_pb2.Topology) -> Topology | None:
     return Topology(t.tp, t.pp) if t.tp and t.pp else None
+
+
+_OUTCOME = {
+    types_pb2.SWITCH_OUTCOME_RUNNING: "running",
+    types_pb2.SWITCH_OUTCOME_SUCCEEDED: "succeeded",
+    types_pb2.SWITCH_OUTCOME_ROLLED_BACK: "rolled_back",
+    types_pb2.SWITCH_OUTCOME_FAILED: "failed",
+    types_pb2.SWITCH_OUTCOME_ABORTED: "aborted",
+    types_pb2.SWITCH_OUTCOME_NOOP: "noop",
+    types_pb2.SWITCH_OUTCOME_UNKNOWN: "unknown",
+}
+
+
+def switch_result(r) -> SwitchResult:
+    """A SwitchRecord as the policy follows it (an unset outcome is still running)."""
+    return SwitchResult(_OUTCOME.get(r.outcome, "running"), r.error.code, r.error.message)
 
 
 def node_view(st: controller_pb2.NodeState) -> NodeView:
@@ -111,6 +127,13 @@ class GrpcController:
         r = await self._call("Reconfigure", controller_pb2.ReconfigureRequest(
             node=node, target=topo_to_proto(target), request_id=request_id, reason=reason))
         return ReconfigureResult(r.switch_id, r.noop, r.duplicate)
+
+    async def switch(self, switch_id: str) -> SwitchResult:
+        try:
+            r = await self._call("GetSwitch", controller_pb2.GetSwitchRequest(switch_id=switch_id))
+        except NotFound:
+            return SwitchResult("missing")
+        return switch_result(r)
 
     async def rollout(self, nodes: list[str], target: Topology, capacity_floor: float,
                       max_parallel: int, capacity_rps: dict[str, float], request_id: str,

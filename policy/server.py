@@ -41,6 +41,7 @@ def build_service(s: PolicySettings, creds: Credentials
                         retry_backoff_s=s.retry_backoff_seconds, max_decisions=s.max_decisions,
                         rollout_min_nodes=s.rollout_min_nodes,
                         rollout_headroom=s.rollout_headroom,
+                        follow_s=s.follow_switch_seconds,
                         objective=s.objective, scale=s.scale_config())
     return svc, ctl, store
 

@@ -5,6 +5,11 @@ controller, aggregates it into fixed windows, forecasts, decides, and acts by mo
   (idempotent at the controller); the switch id and the answer go into the decision. A call that
   got no answer (UNAVAILABLE) is not re-sent blindly: it is asked again, with the *same* request
   id, after ``retry_backoff_s`` and only while the policy still wants the same target.
+  The controller accepts a switch before it reaches the agent, so an accepted switch is
+  followed (``GetSwitch``) to its outcome — up to ``follow_s`` within the tick, then once per
+  tick — and only a SUCCEEDED one commits the policy's state, dwell and daily budget. One that
+  ended otherwise (ROLLED_BACK, e.g. AGENT_UNAVAILABLE before anything was sent) changes
+  nothing; it is asked for again under a new request id after ``retry_backoff_s``.
 - ADVISORY: a switch decision is recorded with ``Controller.RecordRecommendation`` (once per
   target; withdrawn by recording the current topology when the policy no longer wants it);
   Reconfigure is never called.
@@ -93,6 +98,24 @@ class ReconfigureResult:
     duplicate: bool = False
 
 
+SWITCH_STATES = ("running", "succeeded", "rolled_back", "failed", "aborted", "noop", "unknown",
+                 "missing")
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    """Where a switch the policy asked for stands (``Controller.GetSwitch``): ``state`` is one
+    of SWITCH_STATES ("missing": the controller has no such record), with the record's error."""
+
+    state: str
+    code: str = ""
+    message: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.state != "running"
+
+
 class ControllerPort(Protocol):
     async def list_nodes(self) -> list[NodeView]: ...
 
@@ -100,6 +123,10 @@ class ControllerPort(Protocol):
 
     async def reconfigure(self, node: str, target: Topology, request_id: str,
                           reason: str) -> ReconfigureResult: ...
+
+    async def switch(self, switch_id: str) -> SwitchResult:
+        """Where one switch stands (Unavailable when the controller did not answer)."""
+        ...
 
     async def rollout(self, nodes: list[str], target: Topology, capacity_floor: float,
                       max_parallel: int, capacity_rps: dict[str, float], request_id: str,
@@ -530,11 +557,25 @@ def forecast_of(n: "_Node", rec: "DecisionRecord") -> float:
 
 @dataclass
 class _Pending:
-    """A Reconfigure that got no answer: asked again with the same id, not re-sent blindly."""
+    """A switch to ask for again after a back-off: a Reconfigure that got no answer (asked
+    again with the same ``request_id``, not re-sent blindly) or a switch that ended without
+    succeeding (``request_id`` "": a new request, under the decision's id)."""
 
     target: Topology
     request_id: str
     retry_at_s: float
+    why: str = ""
+
+
+@dataclass
+class _Following:
+    """An accepted switch not finished yet: the decision commits when it SUCCEEDS."""
+
+    switch_id: str
+    rec: "DecisionRecord"
+    target: Topology
+    request_id: str
+    duplicate: bool = False
 
 
 @dataclass
@@ -552,6 +593,7 @@ class _Node:
     logged_key: tuple | None = None
     recommended: Topology | None = None  # last recommendation recorded at the controller
     pending: _Pending | None = None
+    following: _Following | None = None
     problem: str = ""
     history: deque = field(default_factory=deque)  # Window, oldest first (the last day)
     scale_state: PolicyState | None = None  # gpu-hours / latency: current, switch times
@@ -565,7 +607,8 @@ class PolicyService:
                  default_mode: str = "advisory", store: DecisionStorePort | None = None,
                  retry_backoff_s: float = 30.0, max_decisions: int = 50_000, clock=time.time,
                  objective: str = "gpu-hours", scale: ScaleConfig | None = None,
-                 rollout_min_nodes: int = 2, rollout_headroom: float = 1.2):
+                 rollout_min_nodes: int = 2, rollout_headroom: float = 1.2,
+                 follow_s: float = 10.0):
         if default_mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {default_mode!r}")
         if objective not in OBJECTIVES:
@@ -582,6 +625,7 @@ class PolicyService:
         self._tables: dict[tuple[Topology, ...], CapacityTable | str] = {}
         self._switch_times: dict[str, tuple[float, ...]] = {}  # from the log, for the budget
         self.retry_backoff_s, self.max_decisions = retry_backoff_s, max_decisions
+        self.follow_s = follow_s  # how long a tick waits for the switches it started
         # auto mode: this many nodes or more making the same move (not a scale-up) go as one
         # rollout, with a capacity floor of their forecast load x headroom (0 or 1: never)
         self.rollout_min_nodes, self.rollout_headroom = rollout_min_nodes, rollout_headroom
@@ -681,16 +725,20 @@ class PolicyService:
                     continue
                 except NotFound:
                     continue
+                if n.following is not None and not await self._settle_earlier(n, now):
+                    continue  # its switch is still running: decide again once it is over
                 if n.view.health in ("switching", "lost") or n.view.rollout_id:
                     continue  # decide again once the switch / rollout is over, the node back
                 rec = self._decide(n, now)
                 if rec is not None:
                     decided.append((n, rec))
             in_rollout = await self._rollouts(decided, now)
-            out = []
+            acted = {}
             for n, rec in decided:
-                out.append(await self._finish(n, rec, now, acted=n.name in in_rollout))
-            return out
+                acted[n.name] = await self._act_by_mode(n, rec, now, n.name in in_rollout)
+            await self._follow([n for n, rec in decided
+                                if n.following is not None and n.following.rec is rec], now)
+            return [await self._finish(n, rec, now, acted[n.name]) for n, rec in decided]
 
     def _upsert(self, v: NodeView) -> _Node:
         n = self.nodes.get(v.name)
@@ -837,16 +885,21 @@ class PolicyService:
         return DecisionRecord(f"pd-{self.instance}-{self.seq}", self.seq, n.name,
                               self.mode_of(n.name), d, impact=imp)
 
-    async def _finish(self, n: _Node, rec: DecisionRecord, now: float, acted: bool = False
+    async def _act_by_mode(self, n: _Node, rec: DecisionRecord, now: float,
+                           in_rollout: bool) -> bool:
+        """Act on one node's decision (``in_rollout``: a rollout already did)."""
+        if in_rollout:
+            return True
+        if rec.mode == "advisory":
+            return await self._advise(n, rec)
+        if rec.mode == "auto":
+            return await self._act(n, rec, now)
+        rec.outcome = "off: no action"
+        return False
+
+    async def _finish(self, n: _Node, rec: DecisionRecord, now: float, acted: bool
                       ) -> DecisionRecord:
-        """Act on one node's decision (``acted``: a rollout already did), record and log it."""
-        if not acted:
-            if rec.mode == "advisory":
-                acted = await self._advise(n, rec)
-            elif rec.mode == "auto":
-                acted = await self._act(n, rec, now)
-            else:
-                rec.outcome = "off: no action"
+        """Record and log one node's decision."""
         n.last = rec
         metrics.policy().decided(n, rec, self.window_s, now)
         d = rec.decision
@@ -882,11 +935,12 @@ class PolicyService:
                     and n.pending.target == target]
             if pend and now < min(p.retry_at_s for p in pend):
                 for n, rec in group:
-                    rec.outcome = (f"waiting: rollout request {pend[0].request_id} got no "
-                                   f"answer; asking again in {pend[0].retry_at_s - now:.0f} s")
+                    rec.outcome = (f"waiting: {pend[0].why}; asking again in "
+                                   f"{pend[0].retry_at_s - now:.0f} s")
                 taken.update(names)
                 continue
-            rid = pend[0].request_id if pend else f"pr-{group[0][1].id}"
+            unanswered = [p for p in pend if p.request_id.startswith("pr-")]
+            rid = unanswered[0].request_id if unanswered else f"pr-{group[0][1].id}"
             loads = [forecast_of(n, rec) for n, rec in group]
             caps = [self._capacity(n, cur) for n, _ in group]
             floor = rollout_floor(loads, caps, self.rollout_headroom,
@@ -900,7 +954,8 @@ class PolicyService:
                     names, target, floor, len(names), cap_rps, rid, reason)
             except Unavailable as exc:
                 for n, rec in group:
-                    n.pending = _Pending(target, rid, now + self.retry_backoff_s)
+                    n.pending = _Pending(target, rid, now + self.retry_backoff_s,
+                                         f"rollout request {rid} got no answer")
                     rec.outcome = (f"unavailable: rollout request {rid}: {exc} (asked again, "
                                    f"same id, after {self.retry_backoff_s:g} s if still wanted)")
                 log.warning("policy.rollout_unavailable", nodes=names, request_id=rid,
@@ -959,15 +1014,15 @@ class PolicyService:
             return False
         p = n.pending if n.pending is not None and n.pending.target == d.recommended else None
         if p is not None and now < p.retry_at_s:
-            rec.outcome = (f"waiting: Reconfigure {p.request_id} got no answer; asking again "
-                           f"in {p.retry_at_s - now:.0f} s")
+            rec.outcome = f"waiting: {p.why}; asking again in {p.retry_at_s - now:.0f} s"
             return False
-        rid = p.request_id if p is not None else rec.id
+        rid = p.request_id if p is not None and p.request_id else rec.id
         try:
             r = await self.controller.reconfigure(n.name, d.recommended, rid,
                                                   rec.reason_line())
         except Unavailable as exc:
-            n.pending = _Pending(d.recommended, rid, now + self.retry_backoff_s)
+            n.pending = _Pending(d.recommended, rid, now + self.retry_backoff_s,
+                                 f"Reconfigure {rid} got no answer")
             rec.outcome = f"unavailable: {exc} (request {rid}; asked again, same id, after " \
                           f"{self.retry_backoff_s:g} s if still wanted)"
             log.warning("policy.reconfigure_unavailable", node=n.name, decision_id=rec.id,
@@ -981,15 +1036,90 @@ class PolicyService:
             return True
         n.pending = None
         rec.switch_id = r.switch_id
-        rec.outcome = ("noop: already on the target" if r.noop else
-                       f"duplicate: request {rid} was accepted earlier" if r.duplicate else
-                       "accepted")
-        if not r.noop:  # dwell and budget start now
-            self._committed(n, rec)
+        if r.noop:
+            rec.outcome = "noop: already on the target"
+        else:  # committed once it succeeds (_follow, _settle)
+            n.following = _Following(r.switch_id, rec, d.recommended, rid, r.duplicate)
+            rec.outcome = self._accepted(n.following, "running")
         log.info("policy.reconfigured", node=n.name, decision_id=rec.id, switch_id=r.switch_id,
                  request_id=rid, target=str(d.recommended), outcome=rec.outcome,
                  **_impact_fields(rec))
         return True
+
+    @staticmethod
+    def _accepted(f: _Following, how: str) -> str:
+        head = (f"duplicate: request {f.request_id} was accepted earlier"
+                if f.duplicate else "accepted")
+        return f"{head}: switch {f.switch_id} {how}"
+
+    async def _switch_state(self, switch_id: str) -> SwitchResult:
+        try:
+            return await self.controller.switch(switch_id)
+        except Unavailable as exc:  # not known yet: still following
+            log.warning("policy.switch_unreadable", switch_id=switch_id, error=str(exc))
+            return SwitchResult("running")
+
+    async def _follow(self, nodes: list[_Node], now: float) -> None:
+        """Wait up to ``follow_s`` for the switches this tick started, settling each that ends;
+        the others are settled on a later tick (_settle_earlier)."""
+        if not nodes:
+            return
+        deadline = time.monotonic() + self.follow_s
+
+        async def one(n: _Node) -> None:
+            assert n.following is not None
+            pause = 0.02
+            while True:
+                res = await self._switch_state(n.following.switch_id)
+                left = deadline - time.monotonic()
+                if res.done or left <= 0:
+                    break
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 1.5, 0.5)
+            if res.done:
+                self._settle(n, res, now)
+            else:
+                n.following.rec.outcome = self._accepted(
+                    n.following, f"still running after {self.follow_s:g} s (committed when it "
+                                 f"succeeds)")
+
+        await asyncio.gather(*(one(n) for n in nodes))
+
+    async def _settle_earlier(self, n: _Node, now: float) -> bool:
+        """A switch an earlier tick left running: settle it if it is over (True: decide now)."""
+        assert n.following is not None
+        res = await self._switch_state(n.following.switch_id)
+        if not res.done:
+            return False
+        rec = n.following.rec
+        self._settle(n, res, now)
+        log.info("policy.switch_settled", node=n.name, decision_id=rec.id,
+                 switch_id=rec.switch_id, outcome=rec.outcome)
+        return True
+
+    def _settle(self, n: _Node, res: SwitchResult, now: float) -> None:
+        """A followed switch ended: SUCCEEDED commits the decision; anything else changes
+        nothing and the target is asked for again, under a new request id, after the back-off."""
+        f = n.following
+        assert f is not None and res.done
+        n.following = None
+        rec = f.rec
+        if res.state == "succeeded":
+            rec.outcome = self._accepted(f, "succeeded")
+            self._committed(n, rec)  # dwell and budget start now
+            return
+        if res.state == "noop":
+            rec.outcome = f"noop: switch {f.switch_id} found the node already on the target"
+            return
+        error = f" {res.code}: {res.message}" if res.code or res.message else ""
+        head = "unavailable" if res.code == "AGENT_UNAVAILABLE" else res.state.replace("_", " ")
+        n.pending = _Pending(f.target, "", now + self.retry_backoff_s,
+                             f"switch {f.switch_id} to {f.target} ended {res.state}")
+        rec.outcome = (f"{head}: switch {f.switch_id} (request {f.request_id}) ended "
+                       f"{res.state.upper()}{error}; nothing committed (a new request after "
+                       f"{self.retry_backoff_s:g} s if still wanted)")
+        log.warning("policy.switch_not_succeeded", node=n.name, decision_id=rec.id,
+                    switch_id=f.switch_id, state=res.state, code=res.code)
 
     async def _log(self, rec: DecisionRecord) -> None:
         d = rec.decision

@@ -183,7 +183,10 @@ def action_result(outcome: str) -> str:
         return "not_recorded"
     if first == "recommended" and not outcome.startswith("recommended earlier"):
         return "recommended"
-    return first if first in ("accepted", "noop", "duplicate", "refused", "unavailable") else ""
+    if outcome.startswith("rolled back"):
+        return "rolled_back"
+    return first if first in ("accepted", "noop", "duplicate", "refused", "unavailable", "failed",
+                              "aborted", "unknown", "missing") else ""
 
 
 def observed_rate(samples: Iterable, window_s: float, now_s: float) -> float | None:

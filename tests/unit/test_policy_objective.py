@@ -18,7 +18,8 @@ from policy.decide import DAY_S, PolicyConfig
 from policy.profiles import Profile
 from policy.scale import CapacityTable, ScaleConfig
 from policy.service import (DecisionRecord, NodeView, ObjectiveDecision, PolicyService,
-                            ReconfigureResult, Sample, Window, error_budget, scale_inputs)
+                            ReconfigureResult, Sample, SwitchResult, Window, error_budget,
+                            scale_inputs)
 from policy.servicer import recommendation_to_proto
 from remp.errors import InvalidArgument, NotFound
 from remp.topology import Topology
@@ -36,12 +37,14 @@ def scale_profile() -> Profile:
 
 class MemoryController:
     """The controller as the policy sees it: nodes, their heartbeat samples, Reconfigure (refuses
-    a non-candidate, switches at once otherwise) and RecordRecommendation."""
+    a non-candidate, switches at once otherwise: GetSwitch says SUCCEEDED) and
+    RecordRecommendation."""
 
     def __init__(self) -> None:
         self.views: dict[str, NodeView] = {}
         self.samples: dict[str, list[Sample]] = {}
         self.calls: list[tuple] = []
+        self.outcomes: list[SwitchResult] = []  # GetSwitch answers to give first, in order
 
     def add(self, name: str, at: Topology, candidates=(TP1PP1, TP2PP1, TP1PP2)) -> None:
         self.views[name] = NodeView(name, at, tuple(candidates), "ready")
@@ -71,6 +74,10 @@ class MemoryController:
         self.views[node] = replace(v, observed=target)
         return ReconfigureResult(f"sw-{len(self.calls)}")
 
+    async def switch(self, switch_id) -> SwitchResult:
+        self.calls.append(("get_switch", switch_id))
+        return self.outcomes.pop(0) if self.outcomes else SwitchResult("succeeded")
+
     async def record_recommendation(self, node, recommended, reason, decision_id) -> None:
         self.calls.append(("recommend", node, recommended, reason, decision_id))
 
@@ -99,9 +106,11 @@ def cfg(**kw) -> ScaleConfig:
     return ScaleConfig(**base)
 
 
-def service(ctl, objective="gpu-hours", store=None, mode="advisory", **kw) -> PolicyService:
+def service(ctl, objective="gpu-hours", store=None, mode="advisory", follow_s=10.0,
+            **kw) -> PolicyService:
     return PolicyService(scale_profile(), ctl, config=PolicyConfig(horizon_s=100.0), window_s=W,
-                         default_mode=mode, objective=objective, scale=cfg(**kw), store=store)
+                         default_mode=mode, objective=objective, scale=cfg(**kw), store=store,
+                         follow_s=follow_s)
 
 
 # ------------------------------------------------------------------------------ gpu-hours
@@ -152,7 +161,8 @@ async def test_auto_releases_gpus_then_scales_up_at_once():
     ctl.push("n1", 0.3, 1000, 1060)
     await svc.tick(1025.0)
     (down,) = await svc.tick(1060.0)
-    assert down.decision.recommended == TP1PP1 and down.outcome == "accepted"
+    assert down.decision.recommended == TP1PP1
+    assert down.outcome == f"accepted: switch {down.switch_id} succeeded"
     (call,) = [c for c in ctl.calls if c[0] == "reconfigure"]
     assert call[2] == TP1PP1 and call[3] == down.id  # request id = decision id
     assert ctl.views["n1"].observed == TP1PP1 and down.switch_id
@@ -162,10 +172,71 @@ async def test_auto_releases_gpus_then_scales_up_at_once():
     ctl.push("n1", 3.0, 1060, 1082)
     (up,) = await svc.tick(1082.0)
     assert up.decision.reason == "scale-up" and up.decision.switch, up.decision.text
-    assert up.decision.recommended.world_size == 2 and up.outcome == "accepted"
+    assert up.decision.recommended.world_size == 2
+    assert up.outcome == f"accepted: switch {up.switch_id} succeeded"
     assert up.impact.released_gpus == () and up.impact.expected_saving_gpu_hours == 0
     assert ctl.views["n1"].observed == up.decision.recommended
     assert svc.nodes["n1"].scale_state.switch_times_s == (1060.0, 1082.0)
+
+
+async def test_auto_commits_a_switch_only_once_it_succeeds():
+    """The controller answers Reconfigure before the agent has switched: the policy follows the
+    switch (GetSwitch) and commits its state, dwell and budget only on SUCCEEDED — in the same
+    tick when it ends within follow_s, else on the tick that finds it over."""
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl, mode="auto", follow_s=0.05)
+    ctl.push("n1", 0.3, 1000, 1060)
+    await svc.tick(1025.0)
+    ctl.outcomes = [SwitchResult("running")] * 1000  # still running when the tick gives up
+    (down,) = await svc.tick(1060.0)
+    assert down.decision.recommended == TP1PP1 and down.switch_id
+    assert down.outcome == (f"accepted: switch {down.switch_id} still running after 0.05 s "
+                            "(committed when it succeeds)")
+    n = svc.nodes["n1"]
+    assert n.scale_state.current == TP2PP1 and n.scale_state.switch_times_s == ()
+    assert n.following is not None and n.following.switch_id == down.switch_id
+    # next tick: still running, so no decision for the node (and no second Reconfigure)
+    ctl.outcomes = [SwitchResult("running")]
+    ctl.push("n1", 0.3, 1060, 1070)
+    assert await svc.tick(1070.0) == []
+    assert len([c for c in ctl.calls if c[0] == "reconfigure"]) == 1
+    # then it succeeded: committed (the switch counted from its decision), the node decided again
+    ctl.outcomes = []
+    ctl.push("n1", 0.3, 1070, 1080)
+    recs = await svc.tick(1080.0)
+    assert down.outcome == f"accepted: switch {down.switch_id} succeeded"
+    assert n.following is None and n.scale_state.current == TP1PP1
+    assert n.scale_state.switch_times_s == (1060.0,)
+    assert all(not r.decision.switch for r in recs)
+
+
+async def test_auto_rolled_back_switch_commits_nothing_and_is_asked_again_later():
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl, mode="auto")
+    svc.retry_backoff_s = 30.0
+    ctl.push("n1", 0.3, 1000, 1060)
+    await svc.tick(1025.0)
+    ctl.outcomes = [SwitchResult("running"),
+                    SwitchResult("rolled_back", "KV_MIGRATION_FAILED", "injected")]
+    (down,) = await svc.tick(1060.0)
+    ctl.views["n1"] = replace(ctl.views["n1"], observed=TP2PP1)  # the agent rolled back
+    assert down.outcome == (f"rolled back: switch {down.switch_id} (request {down.id}) ended "
+                            "ROLLED_BACK KV_MIGRATION_FAILED: injected; nothing committed (a new "
+                            "request after 30 s if still wanted)")
+    n = svc.nodes["n1"]
+    assert n.scale_state.current == TP2PP1 and n.scale_state.switch_times_s == ()
+    ctl.push("n1", 0.3, 1060, 1070)
+    (wait,) = await svc.tick(1070.0)
+    assert wait.outcome.startswith(f"waiting: switch {down.switch_id} to TP1PP1 ended "
+                                   "rolled_back; asking again in 20 s"), wait.outcome
+    ctl.push("n1", 0.3, 1070, 1100)
+    (again,) = await svc.tick(1100.0)
+    calls = [c for c in ctl.calls if c[0] == "reconfigure"]
+    assert len(calls) == 2 and calls[1][3] == again.id != down.id  # a new request id
+    assert again.outcome == f"accepted: switch {again.switch_id} succeeded"
+    assert n.scale_state.current == TP1PP1
 
 
 async def test_only_the_nodes_candidates_are_recommended():
@@ -219,7 +290,7 @@ async def test_decisions_and_switch_times_survive_a_restart():
     ctl.push("n1", 0.3, 1000, 1060)
     await svc.tick(1025.0)
     (down,) = await svc.tick(1060.0)
-    assert down.outcome == "accepted"
+    assert down.outcome == f"accepted: switch {down.switch_id} succeeded"
     again = service(ctl, store=store, mode="advisory")
     await again.start()
     back = {d.id: d for d in again.decisions}[down.id]

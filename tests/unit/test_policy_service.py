@@ -256,7 +256,12 @@ async def test_gpu_hours_advises_fewer_gpus_with_saving_risk_and_profile(ctl, cs
         await close(svc)
 
 
-async def test_auto_calls_reconfigure_and_records_unavailable(ctl, cstub, redis_server):
+async def test_auto_follows_the_switch_and_commits_nothing_when_it_rolls_back(ctl, cstub,
+                                                                             redis_server):
+    """The controller accepts a switch before it reaches the agent; the agent address is
+    unreachable, so the switch ends ROLLED_BACK (AGENT_UNAVAILABLE, nothing sent). The policy
+    follows it to that outcome: nothing committed (state, dwell, budget), asked again under a
+    new request id after the back-off."""
     node = register(cstub)
     svc = service(ctl, redis_server, retry_backoff_s=3600.0)
     await svc.start()
@@ -266,24 +271,42 @@ async def test_auto_calls_reconfigure_and_records_unavailable(ctl, cstub, redis_
         t = time.time()
         (rec,) = mine(await svc.tick(t), node)
         assert rec.mode == "auto" and rec.decision.switch and rec.decision.recommended == TP1PP2
-        # the agent address is unreachable: the controller answers UNAVAILABLE, changes nothing
-        assert rec.outcome.startswith("unavailable:") and "unreachable" in rec.outcome
-        assert rec.id in rec.outcome and rec.switch_id == ""
-        assert not switches(cstub, node) and state(cstub, node).recommendation == ""
-        # still running; not re-sent until the back-off is over
-        (nxt,) = mine(await svc.tick(t + 1), node)
-        assert nxt.outcome.startswith("waiting:") and rec.id in nxt.outcome
-        # after the back-off: asked again with the same request id (idempotent), still refused
-        svc.retry_backoff_s = 0.0
-        nodes = svc.nodes[node]
-        nodes.pending.retry_at_s = 0.0
-        (third,) = mine(await svc.tick(t + 2), node)
-        assert third.outcome.startswith("unavailable:") and f"request {rec.id}" in third.outcome
-        assert third.id != rec.id
+        assert rec.switch_id, rec.outcome
+        assert rec.outcome.startswith(f"unavailable: switch {rec.switch_id} (request {rec.id}) "
+                                      "ended ROLLED_BACK AGENT_UNAVAILABLE"), rec.outcome
+        assert "nothing committed" in rec.outcome
+        (sw,) = switches(cstub, node)
+        assert sw.switch_id == rec.switch_id and sw.request_id == rec.id
+        assert sw.outcome == types_pb2.SWITCH_OUTCOME_ROLLED_BACK
+        assert sw.error.code == "AGENT_UNAVAILABLE" and sw.error.retryable
+        st = state(cstub, node)
+        assert (st.observed.tp, st.observed.pp) == (2, 1) and st.recommendation == ""
         assert svc.nodes[node].policy.state.current == TP2PP1  # nothing was committed
+        assert svc.nodes[node].following is None
+        # not asked again until the back-off is over
+        (nxt,) = mine(await svc.tick(t + 1), node)
+        assert nxt.outcome.startswith(f"waiting: switch {rec.switch_id} to TP1PP2 ended "
+                                      "rolled_back"), nxt.outcome
+        assert len(switches(cstub, node)) == 1
+        # after the back-off: a new request (the first one's switch is over; its id would only
+        # name it again), which ends the same way
+        svc.nodes[node].pending.retry_at_s = 0.0
+        (third,) = mine(await svc.tick(t + 2), node)
+        assert third.id != rec.id and third.switch_id not in ("", rec.switch_id)
+        assert third.outcome.startswith(f"unavailable: switch {third.switch_id} (request "
+                                        f"{third.id})"), third.outcome
+        assert len(switches(cstub, node)) == 2
+        assert svc.nodes[node].policy.state.current == TP2PP1
         page, _ = await svc.list_decisions(node, 10, "")
-        assert [p.id for p in page] == [third.id, rec.id]
+        assert [p.id for p in page] == [third.id, rec.id]  # waiting is not logged again
         assert page[1].outcome == rec.outcome  # the decision log keeps what happened
+        # a restart does not count the rolled-back switches against the daily budget
+        again = service(ctl, redis_server, prefix=svc.store.p)
+        await again.start()
+        try:
+            assert node not in again._switch_times
+        finally:
+            await close(again)
     finally:
         await close(svc)
 
