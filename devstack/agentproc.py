@@ -532,12 +532,13 @@ class ControllerProcess(ServiceProcess):
     kind = "controller"
 
     def command(self) -> list[str]:
-        return ["controller", "--port", str(self.port), "--redis-url", self.redis_url,
-                "--lease-seconds", str(self.lease_seconds)]
+        return ["controller", "--port", str(self.port), "--lease-seconds",
+                str(self.lease_seconds)]
 
     def start(self, env: dict[str, str] | None = None) -> "ControllerProcess":
+        """The Redis location (it may carry a password) goes in the environment, never argv."""
         self.starts += 1
-        self.launch({**self.env, **(env or {})})
+        self.launch({"REMP_CONTROLLER_REDIS_URL": self.redis_url, **self.env, **(env or {})})
         return self
 
     def ready(self) -> bool:

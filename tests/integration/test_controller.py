@@ -7,6 +7,7 @@ test_controller_accept_first.py.)"""
 import secrets
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -550,3 +551,14 @@ def test_heartbeat_workers_are_kept_until_the_next_report(stub):
         node="a9", workers=[types_pb2.WorkerInfo(rank=0, device="cuda:0\n; rm -rf /")]),
         timeout=5)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "workers[0].device" in details
+
+
+def test_the_redis_password_is_never_in_the_controllers_argv(artifacts_dir):
+    """The test and bench launcher hands the Redis location (with its password) over in the
+    environment, as deploy/ does: nothing in /proc/PID/cmdline names it."""
+    with RedisServer(generate_password=True) as r, \
+            ControllerProcess(r.url, log_dir=artifacts_dir, name="ctl-argv") as c:
+        password = r.url.split("@")[0].rsplit(":", 1)[1]
+        assert len(password) >= 16 and c.ready()
+        argv = Path(f"/proc/{c.proc.pid}/cmdline").read_bytes().decode()
+        assert password not in argv and "redis" not in argv.lower(), argv
