@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 from controller.planner import (NodeFacts, clear_shape_caches,  # noqa: E402
                                 plan_switch)
 from devstack.agentproc import (AgentProcess, ControllerProcess, ensure_credentials,  # noqa: E402
-                            free_port)
+                                favour_this_session, free_port)
 from remp.common.v1 import types_pb2  # noqa: E402
 from remp.controller.v1 import controller_pb2  # noqa: E402
 from devstack.modelgen import make_model  # noqa: E402
@@ -415,6 +415,9 @@ def controller_timelines(log_dir: Path) -> dict[str, dict]:
 
 
 def main_ha(a) -> int:
+    # the client (this process: Reconfigure, Watch, the clock) as if on another host: its session
+    # ahead of the agents', controllers' and Redis servers' (devstack.agentproc)
+    client_session = favour_this_session()
     codes = ["baseline", "current"] if a.baseline_rev else ["current"]
     prios = ["low", "equal"] if a.engine_priority == "both" else [a.engine_priority]
     kinds = [f"{c}-{p}" for p in prios for c in codes]
@@ -509,6 +512,7 @@ def main_ha(a) -> int:
                   "leader lease 3 s, WAIT 1 replica, other settings default; one agent per "
                   "controller (TP2PP1<->TP1PP2, tiny model, vLLM CPU, equal priority, worker spin "
                   "0.02 s); switches alternate between the two in pairs"),
+        "client_session": client_session,
         "baseline_rev": base_rev, "current_rev": head + ("+uncommitted" if dirty else ""),
         **{k: {**summary(by[k]), "controller_timeline_p50_ms": timeline_p50(by[k]),
                "failed": [f for f in failures if f["mode"] == k]} for k in kinds},

@@ -63,6 +63,9 @@ class SimAgents:
         self.topology: dict[str, Topology] = {}
         self.executed = 0
 
+    def connected(self, address: str) -> bool:
+        return False  # every switch asks check_serving first
+
     async def check_serving(self, address: str, timeout: float = 2.0) -> None:
         self.calls += 1
 

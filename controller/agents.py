@@ -62,6 +62,13 @@ class AgentClients:
             self._channels[address] = ch
         return ch
 
+    def connected(self, address: str) -> bool:
+        """Whether this controller holds a live connection to the agent (its channel READY:
+        connected, TLS handshake done, not broken since)."""
+        ch = self._channels.get(address)
+        return ch is not None and \
+            ch.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+
     def stub(self, address: str) -> node_agent_pb2_grpc.NodeAgentStub:
         return node_agent_pb2_grpc.NodeAgentStub(self._channel(address))
 

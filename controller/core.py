@@ -33,7 +33,7 @@ from remp import logs
 from remp import metrics
 from remp import validate
 from remp.errors import (FailedPrecondition, InvalidArgument, NotFound, RempError,
-                         ResourceExhausted, Unavailable)
+                         ResourceExhausted, Unavailable, not_sent)
 from remp.topology import ModelShape, Topology
 from remp.transaction import (Outcome, Phase, abort_accepted, finished_outcomes,
                               rolled_back_outcomes)
@@ -382,13 +382,17 @@ class Controller:
 
     async def _drive(self, address: str, rec: SwitchRecord) -> None:
         """Dispatch the accepted switch and follow the agent's progress to the finished record.
-        The agent's health is asked while the intent to dispatch is written; an agent that is
-        not SERVING ends the switch before anything is sent (ROLLED_BACK, AGENT_UNAVAILABLE).
-        Phases the agent reported while the previous write was under way are written together
-        (one script, every event kept)."""
+        Unless this controller holds a live connection to the agent (its channel READY), the
+        agent's health is asked while the intent to dispatch is written; an agent that is not
+        SERVING, or that ExecuteSwitch cannot connect to, ends the switch before anything is
+        sent (ROLLED_BACK, AGENT_UNAVAILABLE). A connected agent whose engine is not serving
+        refuses the order itself (ROLLED_BACK, AGENT_REFUSED). Phases the agent reported while
+        the previous write was under way are written together (one script, every event
+        kept)."""
         sid = rec.switch_id
         self._t.setdefault(sid, {})["accepted"] = time.perf_counter()
-        health = asyncio.ensure_future(self.agents.check_serving(address))
+        health = None if self.agents.connected(address) else \
+            asyncio.ensure_future(self.agents.check_serving(address))
         pump = None
         try:
             await self._pause_point("ACCEPTED")
@@ -427,6 +431,12 @@ class Controller:
                     break
                 if isinstance(end, RempError):  # the stream failed: the agent's answer, typed
                     err = end
+                    if isinstance(err, Unavailable) and final is None \
+                            and phase == Phase.SERVING_OLD and not_sent(err):
+                        # the call never reached the agent (no connection could be made)
+                        await self._agent_unavailable(rec, Unavailable(
+                            f"agent at {address} unreachable: {err.details or err}"))
+                        return
                     if isinstance(err, (FailedPrecondition, InvalidArgument)) and final is None \
                             and phase == Phase.SERVING_OLD:
                         # the agent refused before starting (busy, stale epoch, invalid target)
@@ -470,24 +480,31 @@ class Controller:
             if pump is not None:
                 pump.close()
 
-    async def _agent_serving(self, rec: SwitchRecord, health: asyncio.Future) -> bool:
-        """Whether the agent answered its health check SERVING; if not, the switch is
-        finished ROLLED_BACK before anything was sent (AGENT_UNAVAILABLE, retryable)."""
+    async def _agent_serving(self, rec: SwitchRecord, health: asyncio.Future | None) -> bool:
+        """Whether the agent answered its health check SERVING (None: not asked, the agent is
+        connected); if not, the switch is finished ROLLED_BACK before anything was sent
+        (AGENT_UNAVAILABLE, retryable)."""
+        if health is None:
+            return True
         try:
             await health
         except RempError as exc:  # check_serving: Unavailable (unreachable, not serving)
             self._t.get(rec.switch_id, {})["agent_checked"] = time.perf_counter()
-            log.warning("controller.agent_check_failed", switch_id=rec.switch_id,
-                        node=rec.node, phase="SERVING_OLD", error=str(exc))
-            await self._finish(replace(
-                rec, outcome=Outcome.ROLLED_BACK, phase=Phase.ROLLED_BACK, error=Error(
-                    code="AGENT_UNAVAILABLE",
-                    message=(f"{exc}; the switch was not sent: node {rec.node} keeps "
-                             f"{topo_str(rec.from_topology)}")[:1024],
-                    phase=Phase.SERVING_OLD, retryable=True)))
+            await self._agent_unavailable(rec, exc)
             return False
         self._t.get(rec.switch_id, {})["agent_checked"] = time.perf_counter()
         return True
+
+    async def _agent_unavailable(self, rec: SwitchRecord, exc: RempError) -> None:
+        """The switch ends ROLLED_BACK before anything reached the agent (retryable)."""
+        log.warning("controller.agent_check_failed", switch_id=rec.switch_id,
+                    node=rec.node, phase="SERVING_OLD", error=str(exc))
+        await self._finish(replace(
+            rec, outcome=Outcome.ROLLED_BACK, phase=Phase.ROLLED_BACK, error=Error(
+                code="AGENT_UNAVAILABLE",
+                message=(f"{exc}; the switch was not sent: node {rec.node} keeps "
+                         f"{topo_str(rec.from_topology)}")[:1024],
+                phase=Phase.SERVING_OLD, retryable=True)))
 
     async def _advance(self, rec: SwitchRecord, expected: int, phase: int,
                        detail: str) -> SwitchRecord:

@@ -21,6 +21,9 @@ class AgentPort(Protocol):
     async def check_serving(self, address: str, timeout: float = 2.0) -> None:
         """Returns when the agent answers SERVING in time; otherwise Unavailable."""
 
+    def connected(self, address: str) -> bool:
+        """Whether a live connection to the agent is held (no health check needed first)."""
+
     async def describe(self, address: str) -> AgentDescription: ...
 
     def execute_switch(self, address: str, order: SwitchOrder) -> AsyncIterator[SwitchProgress]:

@@ -37,6 +37,7 @@ import grpc
 
 from remp.auth import Credentials, aio_channel, sync_channel
 from remp.controller.v1 import controller_pb2, controller_pb2_grpc
+from remp.errors import NOT_SENT
 from remp.grpc_util import channel_options
 
 MAX_CONTROLLERS = 16
@@ -44,8 +45,6 @@ MAX_CONTROLLERS = 16
 LEADER_RETRY_S = 10.0
 MAX_ADDRESS = 255
 LEADER_KEY = "remp-leader"
-# a call that failed with one of these never reached a controller: safe to send elsewhere
-_NOT_SENT = ("failed to connect", "dns resolution failed", "name resolution")
 # Watch streams end with these when their controller goes away or drops them: resume
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
@@ -94,7 +93,7 @@ def refused_unsent(exc: grpc.RpcError) -> bool:
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return False
     d = (exc.details() or "").lower()
-    return "not the leader" in d or any(t in d for t in _NOT_SENT)
+    return "not the leader" in d or any(t in d for t in NOT_SENT)
 
 
 def next_address(exc: grpc.RpcError, addrs: Sequence[str], tried: set[str]) -> str:

@@ -118,6 +118,17 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 grpc_status_for = status_for  # the older name
 
 
+# an UNAVAILABLE whose details say one of these never reached the server (no connection made)
+NOT_SENT = ("failed to connect", "dns resolution failed", "name resolution")
+
+
+def not_sent(err: "RempError") -> bool:
+    """Whether a failed call (typed by :func:`error_from_rpc`) never left this process: no
+    connection to the server could be made, so the server did nothing."""
+    d = (getattr(err, "details", "") or str(err)).lower()
+    return err.code == grpc.StatusCode.UNAVAILABLE and any(t in d for t in NOT_SENT)
+
+
 def error_from_rpc(exc: grpc.RpcError) -> RempError:
     """The typed error for a failed call: its class is the status (RempError itself for
     UNKNOWN or a status this table lacks), its message the status details (or the status name

@@ -44,6 +44,10 @@ class FakeAgent:
         self.refuse_abort: Exception | None = None
         self.requests: list[RequestInfo] = []
         self.draining = False
+        self.live = False  # connected(): True skips the health check
+
+    def connected(self, address: str) -> bool:
+        return self.live
 
     async def check_serving(self, address: str, timeout: float = 2.0) -> None:
         self.calls.append(("check_serving", address))
@@ -226,6 +230,30 @@ async def test_an_agent_refusal_rolls_the_switch_back_with_its_message(core, age
     assert rec.outcome is Outcome.ROLLED_BACK and rec.phase is Phase.ROLLED_BACK
     assert rec.error.code == "AGENT_REFUSED" and "older than the last seen" in rec.error.message
     assert (await core.get_state("n1")).observed == Topology(2, 1)
+
+
+async def test_a_connected_agent_is_not_health_checked_first(core, agent):
+    agent.live = True
+    res = await core.reconfigure("n1", Topology(1, 2), "", "")
+    assert (await finished(core, res.switch_id)).outcome is Outcome.SUCCEEDED
+    assert agent.called("check_serving") == [] and len(agent.called("execute_switch")) == 1
+
+
+async def test_an_execute_switch_that_never_connected_rolls_back_agent_unavailable(core, agent):
+    """The channel was live, then ExecuteSwitch could not connect (the agent went away): the
+    order never left, so the switch ends ROLLED_BACK (AGENT_UNAVAILABLE, retryable) at once
+    instead of asking the unreachable agent what happened."""
+    agent.live = True
+    err = Unavailable("failed to connect to all addresses; last error: Connection refused")
+    err.details = str(err)
+    agent.refuse = err
+    res = await core.reconfigure("n1", Topology(1, 2), "", "")
+    rec = await finished(core, res.switch_id)
+    assert rec.outcome is Outcome.ROLLED_BACK and rec.phase is Phase.ROLLED_BACK
+    assert rec.error.code == "AGENT_UNAVAILABLE" and rec.error.retryable
+    assert "was not sent" in rec.error.message and "Connection refused" in rec.error.message
+    assert (await core.get_state("n1")).observed == Topology(2, 1)
+    assert agent.called("get_switch") == []
 
 
 async def test_the_agents_abort_refusal_is_raised_as_its_typed_error(store, agent):
@@ -442,3 +470,28 @@ def test_enum_numbers_are_the_protos(enum, proto):
     prefix = {NodeHealth: "NODE_HEALTH_", EventType: "EVENT_TYPE_",
               RecoveryAction: "RECOVERY_ACTION_", Phase: "PHASE_"}[enum]
     assert {prefix + e.name: int(e) for e in enum} == dict(proto.items())
+
+
+def test_an_event_this_process_wrote_is_read_back_without_parsing_and_equal():
+    """store.event_json splices the record JSON already made for the switch key into the event,
+    and remembers the event: parse_event takes it (once) instead of parsing; both ways give the
+    same message as parsing what protobuf itself would have written."""
+    from controller.store import event_json, parse_event
+
+    rec = SwitchRecord(
+        switch_id="sw-1", node="n1", from_topology=Topology(2, 1), to_topology=Topology(1, 2),
+        outcome=Outcome.SUCCEEDED, phase=Phase.SERVING_NEW, epoch=3,
+        phase_timings=tuple(PhaseTiming(phase=p, seconds=0.01) for p in FORWARD),
+        kv_bytes_moved=4096, total_seconds=0.07, started_at=1, finished_at=2, reason="r")
+    for ev in (Event(type=EventType.SWITCH_DONE, node="n1", switch_id="sw-1", at=5,
+                     phase=Phase.SERVING_NEW, detail="succeeded", record=rec),
+               Event(type=EventType.SWITCH_PHASE, node="n1", switch_id="sw-1", at=6,
+                     phase=Phase.QUIESCING)):
+        raw = event_json(ev, convert.to_json(rec) if ev.record else "")
+        assert json.loads(raw) == json.loads(convert.to_json(ev))
+        want = convert.to_proto(convert.from_json(convert.to_json(ev), Event))
+        want.id = "7-0"
+        cached = parse_event("7-0", raw)
+        assert convert.to_proto(cached) == want
+        parsed = parse_event("7-0", raw)  # used once: parsed this time
+        assert convert.to_proto(parsed) == want and parsed is not cached

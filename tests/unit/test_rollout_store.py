@@ -49,6 +49,9 @@ class Fleet:
     def node(address: str) -> str:
         return address.split(".", 1)[0]
 
+    def connected(self, address: str) -> bool:
+        return False  # every switch asks check_serving first
+
     async def check_serving(self, address: str, timeout: float = 2.0) -> None:
         pass
 
