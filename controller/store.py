@@ -48,7 +48,8 @@ _BEGIN = """
 -- KEYS: node, reqid (or ""), switch, unfinished, history_node, history_all, events
 -- ARGV: switch_id, record_json, started, target, request_id, event_json, maxlen, node, ttl,
 --       observed (the topology the switch was planned from: it must still be the node's),
---       reg (the registration JSON it was planned from, "": not checked; another → 'moved')
+--       reg (the registration JSON it was planned from, "": not checked; another → 'moved'),
+--       dispatched ('1': the intent to send ExecuteSwitch is written with it, one write less)
 -- Refuses ('held', rollout id) a node an active rollout holds unless the request id is that
 -- rollout's; ('lost') a node whose lease expired, ('draining') one being drained.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'notfound', ''} end
@@ -73,8 +74,8 @@ local observed = redis.call('HGET', KEYS[1], 'observed') or ''
 if observed ~= ARGV[10] then return {'moved', observed} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'current', ARGV[1], 'desired', ARGV[4])
-redis.call('HSET', KEYS[3], 'node', ARGV[8], 'record', ARGV[2], 'phase', 1, 'outcome', 'running', 'dispatched', 0,
-           'epoch', epoch, 'request_id', ARGV[5])
+redis.call('HSET', KEYS[3], 'node', ARGV[8], 'record', ARGV[2], 'phase', 1, 'outcome', 'running',
+           'dispatched', (ARGV[12] == '1') and 1 or 0, 'epoch', epoch, 'request_id', ARGV[5])
 if KEYS[2] ~= '' then redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[9]) end
 redis.call('SADD', KEYS[4], ARGV[1])
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
@@ -503,17 +504,19 @@ class Store:
     # ---------------------------------------------------------------- switches
     async def begin(self, node: str, switch_id: str, request_id: str, record_json: str,
                     started: float, target: str, event: Event,
-                    observed: str, reg_json: str = "") -> tuple[str, str]:
+                    observed: str, reg_json: str = "", dispatched: bool = False
+                    ) -> tuple[str, str]:
         """('ok', epoch) | ('dup', earlier id) | ('busy', running id) | ('notfound', '') |
         ('held', rollout id) | ('lost', '') | ('draining', '') | ('moved', observed now): the
         node's observed topology is no longer ``observed`` (a switch finished or a heartbeat
         reported another one since it was read), or its registration no longer ``reg_json``
-        (when given: the agent registered again)."""
+        (when given: the agent registered again). ``dispatched``: the switch is written with
+        its intent to send ExecuteSwitch (no separate :meth:`dispatch`)."""
         res = await self._run("begin", [
             self.k_node(node), self.k_reqid(node, request_id), self.k_switch(switch_id),
             self.k_unfinished, self.k_hist(node), self.k_hist(None), self.k_events,
         ], [switch_id, record_json, started, target, request_id, event_json(event), EVENTS_MAXLEN,
-            node, REQID_TTL_S, observed, reg_json])
+            node, REQID_TTL_S, observed, reg_json, "1" if dispatched else "0"])
         return res[0], res[1]
 
     async def noop(self, node: str, switch_id: str, request_id: str, record_json: str,

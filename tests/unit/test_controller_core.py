@@ -45,6 +45,7 @@ class FakeAgent:
         self.requests: list[RequestInfo] = []
         self.draining = False
         self.live = False  # connected(): True skips the health check
+        self.hold: asyncio.Event | None = None  # execute_switch waits for it (order in transit)
 
     def connected(self, address: str) -> bool:
         return self.live
@@ -60,6 +61,8 @@ class FakeAgent:
     async def execute_switch(self, address: str, order: SwitchOrder
                              ) -> AsyncIterator[SwitchProgress]:
         self.calls.append(("execute_switch", order))
+        if self.hold is not None:
+            await self.hold.wait()
         if self.refuse is not None:
             raise self.refuse
         t0 = time.time_ns()
@@ -254,6 +257,23 @@ async def test_an_execute_switch_that_never_connected_rolls_back_agent_unavailab
     assert "was not sent" in rec.error.message and "Connection refused" in rec.error.message
     assert (await core.get_state("n1")).observed == Topology(2, 1)
     assert agent.called("get_switch") == []
+
+
+async def test_the_switch_is_written_dispatched_and_an_abort_before_it_arrives_says_retry(
+        core, agent, store):
+    """Without a test pause point the switch is written with its intent to send (one Redis
+    write less); an abort while the order is still on its way (the agent does not know the
+    switch yet) is FAILED_PRECONDITION 'retry', then reaches the agent."""
+    agent.live, agent.hold = True, asyncio.Event()
+    res = await core.reconfigure("n1", Topology(1, 2), "", "")
+    assert (await store.switch(res.switch_id)).dispatched
+    agent.refuse_abort = NotFound(f"no switch with id {res.switch_id!r} on this node")
+    with pytest.raises(FailedPrecondition, match="on its way to the agent.*retry the abort"):
+        await core.abort(res.switch_id, "")
+    agent.refuse_abort = None
+    assert (await core.abort(res.switch_id, "")).aborted
+    agent.hold.set()
+    assert (await finished(core, res.switch_id)).outcome is Outcome.SUCCEEDED  # fake ignores it
 
 
 async def test_the_agents_abort_refusal_is_raised_as_its_typed_error(store, agent):

@@ -416,6 +416,8 @@ async def test_a_switch_the_dead_leader_never_dispatched_is_started_again(store,
         if point == "ACCEPTED":
             await asyncio.Event().wait()
     a._pause_point = dies_at_accepted
+    # a pause point configured: the switch is written accepted, its dispatch separately
+    a.s = a.s.model_copy(update={"test_pause_at": "ACCEPTED"})
     v = await a.rollouts.create(spec(max_parallel=1))
     rid = v.state.rollout_id
     while not (await a.rollouts.get(rid)).state.switching:
