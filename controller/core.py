@@ -167,8 +167,11 @@ class Controller:
         _check_registration(req)
         ev = self._event(EventType.NODE_REGISTERED, req.node,
                          detail=f"{req.agent_address} {topo_str(req.topology)}")
-        epoch = await self.leases.register(req.node, req, self.clock() + self.s.lease_seconds,
-                                           topo_str(req.topology), ev)
+        # the stored registration leaves last_epoch out (it changes with every switch; the
+        # begin script compares the stored registration with the one a plan was made from)
+        epoch = await self.leases.register(req.node, replace(req, last_epoch=0),
+                                           self.clock() + self.s.lease_seconds,
+                                           topo_str(req.topology), ev, req.last_epoch)
         await self.leases.clear_draining(req.node)
         log.info("controller.node_registered", node=req.node, agent=req.agent_address,
                  topology=topo_str(req.topology))

@@ -197,6 +197,7 @@ class Registration:
     kv_bandwidth_bps: float = 0.0
     weight_bandwidth_bps: float = 0.0
     labels: tuple[tuple[str, str], ...] = ()  # map<string, string>: (key, value), sorted
+    last_epoch: int = 0  # the agent's; raises the node's epoch (not kept in the stored reg)
 
 
 @dataclass(frozen=True)

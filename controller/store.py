@@ -139,13 +139,17 @@ return 1
 """
 
 _REGISTER = """
--- KEYS: node, nodes, events;  ARGV: name, reg_json, lease_until, observed, event_json, maxlen
+-- KEYS: node, nodes, events;  ARGV: name, reg_json, lease_until, observed, event_json, maxlen,
+--   epoch_floor (the agent's last seen epoch: the node's is raised to it)
 redis.call('HSET', KEYS[1], 'reg', ARGV[2], 'lease_until', ARGV[3], 'health', 'ready')
 local cur = redis.call('HGET', KEYS[1], 'current')
 if not cur or cur == '' then
   redis.call('HSET', KEYS[1], 'observed', ARGV[4], 'desired', ARGV[4], 'current', '')
 end
 redis.call('HSETNX', KEYS[1], 'epoch', 0)
+if (tonumber(ARGV[7]) or 0) > (tonumber(redis.call('HGET', KEYS[1], 'epoch')) or 0) then
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[7])
+end
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'e', ARGV[5])
 return redis.call('HGET', KEYS[1], 'epoch')
@@ -446,10 +450,11 @@ class Store:
 
     # ---------------------------------------------------------------- nodes
     async def register(self, name: str, reg: Registration, lease_until: float,
-                       observed: str, event: Event) -> int:
+                       observed: str, event: Event, epoch_floor: int = 0) -> int:
+        """The node's epoch: raised to ``epoch_floor`` (the agent's last seen) if below."""
         epoch = await self._run("register", [self.k_node(name), self.k_nodes, self.k_events],
                                 [name, to_json(reg), lease_until, observed, event_json(event),
-                                 EVENTS_MAXLEN])
+                                 EVENTS_MAXLEN, int(epoch_floor)])
         return int(epoch or 0)
 
     async def heartbeat(self, name: str, lease_until: float, observed: str, traffic: str,

@@ -51,7 +51,8 @@ def register_request(agent: "NodeAgent", agent_address: str) -> controller_pb2.R
         candidates=[convert.topology_to_proto(t) for t in cfg.candidates],
         host=convert.host_to_proto(cfg.host),
         model=convert.model_to_proto(cfg.model, cfg.dtype, cfg.settings.max_model_len),
-        kv_bandwidth_bps=kv_bw, weight_bandwidth_bps=w_bw, labels=cfg.settings.labels)
+        kv_bandwidth_bps=kv_bw, weight_bandwidth_bps=w_bw, labels=cfg.settings.labels,
+        last_epoch=agent.last_epoch)
 
 
 class TrafficWindow:

@@ -562,3 +562,27 @@ def test_the_redis_password_is_never_in_the_controllers_argv(artifacts_dir):
         assert len(password) >= 16 and c.ready()
         argv = Path(f"/proc/{c.proc.pid}/cmdline").read_bytes().decode()
         assert password not in argv and "redis" not in argv.lower(), argv
+
+
+def test_an_agents_last_epoch_raises_the_nodes_epoch_on_registration(stub):
+    """A controller whose Redis lost a node's state (new or restored Redis) would issue epochs
+    from 1 again, and the agent — which refuses orders below the highest epoch it has seen —
+    would refuse every switch for good. The agent reports that epoch when it registers and the
+    node's epoch is raised to it: the next switch is numbered above it. Never lowered."""
+    node = "ep-" + secrets.token_hex(3)
+    r = reg(node)
+    r.last_epoch = 41
+    assert stub.RegisterNode(r, timeout=5).epoch == 41
+    sid = stub.Reconfigure(controller_pb2.ReconfigureRequest(
+        node=node, target=types_pb2.Topology(tp=1, pp=2)), timeout=5).switch_id
+    rec = stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=sid), timeout=5)
+    assert rec.epoch == 42  # (the agent is unreachable: the switch rolls back, nothing sent)
+    deadline = time.monotonic() + 10
+    while stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=sid),
+                         timeout=5).outcome == types_pb2.SWITCH_OUTCOME_RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r.last_epoch = 3  # an agent that saw less (restarted) does not lower it
+    assert stub.RegisterNode(r, timeout=5).epoch == 42
+    r.last_epoch = 0
+    assert stub.RegisterNode(r, timeout=5).epoch == 42

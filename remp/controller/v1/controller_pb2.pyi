@@ -109,7 +109,7 @@ ROLLOUT_NODE_STATUS_ROLLED_BACK: RolloutNodeStatus
 ROLLOUT_NODE_STATUS_FAILED: RolloutNodeStatus
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node", "agent_address", "http_address", "topology", "candidates", "host", "model", "kv_bandwidth_bps", "weight_bandwidth_bps", "labels")
+    __slots__ = ("node", "agent_address", "http_address", "topology", "candidates", "host", "model", "kv_bandwidth_bps", "weight_bandwidth_bps", "labels", "last_epoch")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class RegisterNodeRequest(_message.Message):
     KV_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node: str
     agent_address: str
     http_address: str
@@ -137,7 +138,8 @@ class RegisterNodeRequest(_message.Message):
     kv_bandwidth_bps: float
     weight_bandwidth_bps: float
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., kv_bandwidth_bps: _Optional[float] = ..., weight_bandwidth_bps: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    last_epoch: int
+    def __init__(self, node: _Optional[str] = ..., agent_address: _Optional[str] = ..., http_address: _Optional[str] = ..., topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[_types_pb2.Topology, _Mapping]]] = ..., host: _Optional[_Union[_types_pb2.HostFacts, _Mapping]] = ..., model: _Optional[_Union[_types_pb2.ModelFacts, _Mapping]] = ..., kv_bandwidth_bps: _Optional[float] = ..., weight_bandwidth_bps: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("lease_seconds", "epoch")
