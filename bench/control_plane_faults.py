@@ -1,6 +1,7 @@
 """The control plane survives losing any one process (issue 17), with REAL CPU node agents.
 
-    python bench/control_plane_faults.py [--scenario leader-kill|redis-kill|both] [--out FILE]
+    python bench/control_plane_faults.py [--scenario leader-kill|redis-kill|
+                                         redis-and-leader-kill|both|all] [--out FILE]
                                          [--log-dir DIR] [--json]
 
 Everything runs on loopback as real processes: three ``remp agent`` (vLLM CPU, the tiny model,
@@ -45,8 +46,14 @@ The killed server is restarted as a replica of the new primary once Sentinel has
 rollout's next step (node b's result) is written and read back through the controller; target
 <= 15 s. Checked: rollout DONE, no switch run twice, every record seen before the kill there.
 
-Not measured: a controller killed while Redis fails over (two faults at once), network
-partitions (everything is loopback), the agents themselves dying (tests/e2e), GPUs, or load
+redis-and-leader-kill: as redis-kill on a fresh Redis HA group, and the leading controller is
+killed -9 at the same moment as the primary (two faults at once); it is restarted at once on its
+port. handover = kill -> a controller answers writes as leader (after Sentinel promoted and the
+dead leader's lease ran out). The same three agents serve through every scenario: against each
+new Redis they register with the last switch epoch they saw (RegisterNodeRequest.last_epoch),
+which the new node epoch starts from.
+
+Not measured: network partitions (everything is loopback), the agents themselves dying (tests/e2e), GPUs, or load
 beyond one request at a time. Handover figures include this VM's pauses (reported beside).
 """
 
@@ -70,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import PauseMonitor, emit, machine  # noqa: E402
 from devstack.agentproc import (AgentProcess, ControllerProcess, arm_switch,  # noqa: E402
-                                disarm, ensure_credentials, prompt)
+                                disarm, ensure_credentials, favour_this_session, prompt)
 from devstack.modelgen import make_model  # noqa: E402
 from ops.rollout_cli import capacity_table  # noqa: E402
 from remp.common.v1 import types_pb2  # noqa: E402
@@ -92,15 +99,6 @@ RELEASE_TOKENS = 128  # the one longer request that opens node b's start gate
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class SentinelController(ControllerProcess):
-    """A controller reaching Redis through Sentinel: the URL (password included) only in its
-    environment (REMP_CONTROLLER_REDIS_URL), as ``remp up --ha`` starts it."""
-
-    def command(self) -> list[str]:
-        return ["controller", "--port", str(self.port), "--lease-seconds",
-                str(self.lease_seconds)]
 
 
 # ---------------------------------------------------------------- controller calls
@@ -463,15 +461,18 @@ def leader_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
             "openai_requests_sent": s1[0], "openai_requests_completed": s1[1]}
 
 
-def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
+def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path, kill_leader: bool = False,
+               phase: str = "redis_kill") -> dict:
+    """``kill_leader``: the leading controller is killed -9 at the same moment as the Redis
+    primary (two faults at once); it is restarted at once, so two controllers are up again."""
     for c in ctls:
         c.kill()
     with RedisHA(down_after_ms=1000, failover_timeout_ms=5000) as ha:
-        env = {**HA, "REMP_CONTROLLER_REDIS_URL": ha.url,
-               "REMP_CONTROLLER_REDIS_WAIT_REPLICAS": "1"}
+        env = {**HA, "REMP_CONTROLLER_REDIS_WAIT_REPLICAS": "1"}
         sctls = []
         for c in ctls:  # same ports: the agents find them and re-register
-            s = SentinelController("", log_dir=log_dir, name=f"{c.name}-sentinel", env=env)
+            # the URL (password included) goes in the environment (ControllerProcess.start)
+            s = ControllerProcess(ha.url, log_dir=log_dir, name=f"{c.name}-{phase}", env=env)
             s.port, s.addr = c.port, c.addr
             sctls.append(s)
         try:
@@ -487,12 +488,12 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
             asyncio.run(disarm(agents["cpf-b"].grpc_addr))
             asyncio.run(arm_switch(agents["cpf-b"].grpc_addr, start_when_running=1))
             traffic.hold.add("cpf-b")
-            traffic.begin("redis_kill")
+            traffic.begin(phase)
             seen: set[str] = set()
             t_start = time.monotonic()
-            r = start_rollout(lead, target, f"cpf-redis-{int(time.time())}")
+            r = start_rollout(lead, target, f"cpf-{phase}-{int(time.time())}")
             rid = r.rollout_id
-            log(f"redis-kill: rollout {rid} {start} -> {target} through {ha.redacted_url}")
+            log(f"{phase}: rollout {rid} {start} -> {target} through {ha.redacted_url}")
             st = wait_rollout(sctls, rid, lambda s: bool(node_row(s, "cpf-b").switch_id)
                               or s.status in TERMINAL, timeout=120, seen=seen)
             if st.status in TERMINAL:
@@ -503,9 +504,27 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
                      for s in seen}
             old = ha.primary_port()
             ha.server_on(old).proc.kill()
+            if kill_leader:
+                lead.kill()
             t_kill = time.monotonic()
-            log(f"redis-kill: primary :{old} killed (-9) with node b's switch {sid_b} held")
+            log(f"{phase}: primary :{old} killed (-9)"
+                f"{' and the leading controller ' + lead.name if kill_leader else ''} with node "
+                f"b's switch {sid_b} held")
             rejoin = {}
+            handover: dict = {}
+            if kill_leader:
+                killed = lead
+
+                def restart_and_handover():
+                    killed.start()  # the process manager restarts it (same port)
+                    try:
+                        new, _ = wait_leader([c for c in sctls if c is not killed] + [killed],
+                                             timeout=120)
+                        handover.update(s=time.monotonic() - t_kill, leader=new.name)
+                    except TimeoutError as exc:
+                        handover["error"] = repr(exc)
+                ht = threading.Thread(target=restart_and_handover, daemon=True)
+                ht.start()
 
             def restart_old():
                 try:
@@ -543,8 +562,12 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
                 if ha.primary_port() not in (None, old):
                     promoted = time.monotonic() - t_kill
                 time.sleep(0.05)
-            log(f"redis-kill: promoted after {promoted} s, first read {first_read} s, "
+            log(f"{phase}: promoted after {promoted} s, first read {first_read} s, "
                 f"rollout progressed after {progressed} s")
+            if kill_leader:
+                ht.join(150)
+                log(f"{phase}: a controller led again after {handover.get('s')} s "
+                    f"({handover.get('leader') or handover.get('error')})")
             final = wait_rollout(sctls, rid, lambda s: s.status in TERMINAL, timeout=180,
                                  seen=seen)
             done_s = time.monotonic() - t_start
@@ -554,9 +577,9 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
             v = verify(lead, agents, final, seen)
             missing_acked = [s for s in acked if s not in {
                 x.switch_id for n in NODES for x in list_switches(lead, n)}]
-            s1 = traffic.counts("redis_kill")
+            s1 = traffic.counts(phase)
             traffic.begin("after")
-            log(f"redis-kill: rollout {v['rollout_status']} in {done_s:.1f} s; lost "
+            log(f"{phase}: rollout {v['rollout_status']} in {done_s:.1f} s; lost "
                 f"{v['records_lost']}, run twice {v['switches_run_twice']}")
             return {"rollout_id": rid, "from": "TP{}PP{}".format(*start),
                     "to": "TP{}PP{}".format(*target), "t_kill": t_kill,
@@ -571,6 +594,10 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
                     "old_primary_rejoined_s": round(rejoin["s"], 3) if "s" in rejoin else None,
                     "old_primary_rejoin_error": rejoin.get("error"),
                     "redis_failover_s": None if progressed is None else round(progressed, 3),
+                    **({"leader_killed": True,
+                        "controller_handover_s": round(handover["s"], 3) if "s" in handover
+                        else None, "new_leader": handover.get("leader"),
+                        "handover_error": handover.get("error")} if kill_leader else {}),
                     "acknowledged_records_before_kill": len(acked),
                     "acknowledged_records_missing": missing_acked,
                     "password_in_argv_pids": offenders,
@@ -585,12 +612,15 @@ def redis_kill(ctls, agents, traffic: Traffic, log_dir: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", choices=["leader-kill", "redis-kill", "both"], default="both")
+    ap.add_argument("--scenario", choices=["leader-kill", "redis-kill", "redis-and-leader-kill",
+                                           "both", "all"], default="all",
+                    help="both: leader-kill and redis-kill; all: the three")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / (
         f"control_plane_faults_agents-{time.strftime('%Y-%m-%d', time.gmtime())}.json"))
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    client_session = favour_this_session()  # the bench's clients as if on another host
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="cp-faults-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     ensure_credentials(log_dir)
@@ -600,7 +630,8 @@ def main() -> int:
     result: dict = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine(),
                     "command": " ".join([".venv/bin/python", "bench/control_plane_faults.py",
                                          *sys.argv[1:]]),
-                    "scenarios_run": args.scenario, "log_dir": str(log_dir)}
+                    "scenarios_run": args.scenario, "log_dir": str(log_dir),
+                    "client_session": client_session}
     scen: dict = {}
     redis = RedisServer().start()
     ctls = [ControllerProcess(redis.url, log_dir=log_dir, name=f"ctl-{x}", env=HA)
@@ -621,27 +652,23 @@ def main() -> int:
                 a.wait_ready(timeout=400)
             log(f"agents ready after {time.monotonic() - t0:.0f} s")
             traffic.start()
-            if args.scenario in ("leader-kill", "both"):
+            if args.scenario in ("leader-kill", "both", "all"):
                 scen["leader_kill"] = leader_kill(ctls, agents, traffic, log_dir)
-            if args.scenario in ("redis-kill", "both"):
+            # The same agents go on against each new Redis: a node's switch epoch lives in
+            # Redis and the agents refuse epochs below the last they saw; they report it when
+            # they register and the new Redis's node epoch is raised to it (last_epoch).
+            if args.scenario in ("redis-kill", "both", "all"):
                 for c in ctls:
                     c.kill()
                 redis.stop()
-                if "leader_kill" in scen:
-                    # fresh agents: a node's switch epochs live in Redis and the agents remember
-                    # the last they saw; against a new Redis they would refuse the new epochs
-                    traffic.hold.update(NODES)
-                    t_r = time.monotonic()
-                    for f in [a.stop_in_background() for a in agents.values()]:
-                        f.result()
-                    for a in agents.values():
-                        a.log_path = log_dir / f"agent-{a.node}-redis-kill.log"
-                        a.start()
-                    for a in agents.values():
-                        a.wait_ready(timeout=400)
-                    traffic.hold.clear()
-                    log(f"agents restarted for redis-kill in {time.monotonic() - t_r:.0f} s")
                 scen["redis_kill"] = redis_kill(ctls, agents, traffic, log_dir)
+            if args.scenario in ("redis-and-leader-kill", "all"):
+                for c in ctls:
+                    c.kill()
+                redis.stop()
+                scen["redis_and_leader_kill"] = redis_kill(
+                    ctls, agents, traffic, log_dir, kill_leader=True,
+                    phase="redis_and_leader_kill")
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             import traceback
             error = traceback.format_exc()
@@ -666,13 +693,17 @@ def main() -> int:
             t = k.pop("t_kill")
             k["paused_s_in_handover"] = round(pm.paused_s(t, t + k["handover_s"]), 3)
             k["paused_s_in_progress"] = round(pm.paused_s(t, t + k.get("progress_s", 0)), 3)
-    rk = scen.get("redis_kill")
-    if rk:
-        t = rk.pop("t_kill")
-        rk["paused_s_in_recovery"] = round(pm.paused_s(t, t + (rk["recovered_s"] or 0)), 3)
+    for rk in (scen.get("redis_kill"), scen.get("redis_and_leader_kill")):
+        if rk:
+            t = rk.pop("t_kill")
+            rk["paused_s_in_recovery"] = round(pm.paused_s(t, t + (rk["recovered_s"] or 0)), 3)
+    rk, dk = scen.get("redis_kill"), scen.get("redis_and_leader_kill")
     result.update({
         "controller_handover_s": lk["controller_handover_s"] if lk else None,
         "redis_failover_s": rk["redis_failover_s"] if rk else None,
+        "redis_and_leader_kill": None if not dk else {
+            "redis_failover_s": dk["redis_failover_s"],
+            "controller_handover_s": dk["controller_handover_s"]},
         "records_lost": sum(s["records_lost"] + len(s.get("acknowledged_records_missing", []))
                             for s in scen.values()),
         "switches_run_twice": sum(s["switches_run_twice"] for s in scen.values()),
