@@ -194,6 +194,12 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
 return 1
 """
 
+_CLEAR_INFLIGHT = """
+-- KEYS: inflight.  The lost node's journal, once its requests were handed on (the leader's)
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
 _RECOVERY = """
 -- KEYS: recovery, recoveries (by time), events;  ARGV: record_json, now, request_id,
 --   event_json, maxlen.  One request's recovery record (replaced as it progresses), its event.
@@ -272,7 +278,7 @@ end
 """
 # the scripts only the leader runs (registration and heartbeats: every controller)
 FENCED = frozenset({"begin", "noop", "dispatch", "advance", "finish", "expire", "recommend",
-                    "rollout_create", "rollout_step", "drain", "recovery"})
+                    "rollout_create", "rollout_step", "drain", "recovery", "clear_inflight"})
 
 
 class Fence:
@@ -356,7 +362,7 @@ class Store:
             ("finish", _FINISH), ("register", _REGISTER), ("heartbeat", _HEARTBEAT),
             ("expire", _EXPIRE), ("recommend", _RECOMMEND),
             ("rollout_create", _ROLLOUT_CREATE), ("rollout_step", _ROLLOUT_STEP),
-            ("drain", _DRAIN), ("recovery", _RECOVERY))}
+            ("drain", _DRAIN), ("recovery", _RECOVERY), ("clear_inflight", _CLEAR_INFLIGHT))}
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -662,7 +668,8 @@ class Store:
         return await self._call(self.r.get(self.k_inflight(name)))
 
     async def clear_inflight(self, name: str) -> None:
-        await self._call(self.r.delete(self.k_inflight(name)))
+        """The journal of a lost node whose requests were handed on (the leader's: fenced)."""
+        await self._run("clear_inflight", [self.k_inflight(name)], [])
 
     async def set_draining(self, name: str, draining: bool, event: Event) -> None:
         """The node's drain flag and its event (the leader's: fenced)."""

@@ -166,6 +166,7 @@ def test_a_deposed_leaders_writes_are_fenced_by_the_term(redis_server, wait_repl
             await r.delete(f"{prefix}leader")
             assert await b.try_acquire() and b.term == a.term + 1
             fb.term = b.term
+            await sb.set_inflight("f1", '{"inflight": []}')  # heartbeats: every controller
             for write in (sa.advance("sw-f1", 2, 3, '{"a": 2}', ev),
                           sa.finish("sw-f1", "f1", "succeeded", 9, "{}", "TP1PP2", ev),
                           sa.dispatch("sw-f1"),
@@ -174,9 +175,11 @@ def test_a_deposed_leaders_writes_are_fenced_by_the_term(redis_server, wait_repl
                           sa.begin("f1", "sw-f2", "", "{}", time.time(), "TP1PP2", ev,
                                    observed="TP2PP1"),
                           sa.set_draining("f1", True, ev),
-                          sa.put_recovery("rq-1", "{}", time.time(), ev)):
+                          sa.put_recovery("rq-1", "{}", time.time(), ev),
+                          sa.clear_inflight("f1")):
                 with pytest.raises(NotLeader):
                     await write
+            assert await sa.inflight("f1") == '{"inflight": []}'  # the journal kept
             row = await sa.switch("sw-f1")
             assert (row.phase, row.outcome, row.dispatched) == (2, "running", False)
             assert (await sa.node("f1")).get("recommendation") is None
