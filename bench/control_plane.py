@@ -88,6 +88,17 @@ DONE = {controller_pb2.EVENT_TYPE_SWITCH_DONE, controller_pb2.EVENT_TYPE_SWITCH_
         controller_pb2.EVENT_TYPE_SWITCH_ROLLED_BACK, controller_pb2.EVENT_TYPE_SWITCH_ABORTED}
 
 
+def write_result(a, result: dict) -> int:
+    """--out: the result as JSON, one line per switch; --json: one line on stdout."""
+    if a.out:
+        rows_txt = ",\n    ".join(json.dumps(r, ensure_ascii=False) for r in result["per_switch"])
+        text = json.dumps({**result, "per_switch": "@ROWS@"}, indent=2, ensure_ascii=False)
+        a.out.write_text(text.replace('"@ROWS@"', f"[\n    {rows_txt}\n  ]") + "\n")
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -541,13 +552,7 @@ def main_ha(a) -> int:
     print(f"other work on this machine during the switches: {result['other_load_cpus']} CPUs")
     for f in failures:  # refused or not SUCCEEDED: not in the figures above
         print(f"failed ({f['mode']}): {f['error']}")
-    if a.out:
-        rows_txt = ",\n    ".join(json.dumps(r, ensure_ascii=False) for r in result["per_switch"])
-        text = json.dumps({**result, "per_switch": "@ROWS@"}, indent=2, ensure_ascii=False)
-        a.out.write_text(text.replace('"@ROWS@"', f"[\n    {rows_txt}\n  ]") + "\n")
-    if a.json:
-        print(json.dumps(result))
-    return 0
+    return write_result(a, result)
 
 
 def main() -> int:
@@ -660,13 +665,7 @@ def main() -> int:
               f"{'':12}   target <= 100")
         print(f"{'plan 1000 nodes (ms, one model)':36}{result['plan_1000_nodes_warm_ms']:>12.1f}")
         print(f"{'Plan RPC, 1000 nodes registered':36}{result['plan_rpc_p50_ms']:>12.1f}")
-    if a.out:  # one line per switch
-        rows_txt = ",\n    ".join(json.dumps(r, ensure_ascii=False) for r in result["per_switch"])
-        text = json.dumps({**result, "per_switch": "@ROWS@"}, indent=2, ensure_ascii=False)
-        a.out.write_text(text.replace('"@ROWS@"', f"[\n    {rows_txt}\n  ]") + "\n")
-    if a.json:
-        print(json.dumps(result))
-    return 0
+    return write_result(a, result)
 
 
 if __name__ == "__main__":

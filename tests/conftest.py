@@ -26,6 +26,16 @@ def tiny_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def redis_server():
+    """A private redis-server per test module (modules that need another kind define their
+    own fixture of this name)."""
+    from remp.redisproc import RedisServer
+
+    with RedisServer() as r:
+        yield r
+
+
 @pytest.fixture(scope="session")
 def artifacts_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("logs")

@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from devstack.agentproc import ControllerProcess, free_port
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
-from remp.redisproc import RedisServer
 from tests.integration.test_controller import code_of, reg
 
 DONE = {controller_pb2.EVENT_TYPE_SWITCH_DONE, controller_pb2.EVENT_TYPE_SWITCH_FAILED,
@@ -64,12 +63,6 @@ def held_agent():
     yield health
     health.release.set()
     server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as r:
-        yield r
 
 
 @pytest.fixture(scope="module")
