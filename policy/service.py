@@ -1058,6 +1058,10 @@ class PolicyService:
         except Unavailable as exc:  # not known yet: still following
             log.warning("policy.switch_unreadable", switch_id=switch_id, error=str(exc))
             return SwitchResult("running")
+        except RempError as exc:  # any other answer: not followed further, nothing committed
+            log.warning("policy.switch_unreadable", switch_id=switch_id, error=str(exc),
+                        code=exc.code.name)
+            return SwitchResult("unknown", exc.code.name, str(exc))
 
     async def _follow(self, nodes: list[_Node], now: float) -> None:
         """Wait up to ``follow_s`` for the switches this tick started, settling each that ends;
