@@ -575,13 +575,14 @@ def test_an_agents_last_epoch_raises_the_nodes_epoch_on_registration(stub):
     assert stub.RegisterNode(r, timeout=5).epoch == 41
     sid = stub.Reconfigure(controller_pb2.ReconfigureRequest(
         node=node, target=types_pb2.Topology(tp=1, pp=2)), timeout=5).switch_id
-    rec = stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=sid), timeout=5)
-    assert rec.epoch == 42  # (the agent is unreachable: the switch rolls back, nothing sent)
+    # the agent is unreachable: the switch rolls back, nothing sent; the finished record
+    # carries the epoch it ran under (the running one is written before the epoch is taken)
     deadline = time.monotonic() + 10
-    while stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=sid),
-                         timeout=5).outcome == types_pb2.SWITCH_OUTCOME_RUNNING:
+    while (rec := stub.GetSwitch(controller_pb2.GetSwitchRequest(switch_id=sid), timeout=5)
+           ).outcome == types_pb2.SWITCH_OUTCOME_RUNNING:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert rec.epoch == 42
     r.last_epoch = 3  # an agent that saw less (restarted) does not lower it
     assert stub.RegisterNode(r, timeout=5).epoch == 42
     r.last_epoch = 0
