@@ -320,11 +320,16 @@ class Controller:
         _check_topology_fields(target)
         current = Topology.parse(h.get("observed") or topo_str(reg.topology))
         tgt = Topology(target.tp, target.pp)
-        if known and (tgt == current or h.get("health") == "lost" or h.get("draining") == "1"
-                      or not _fits(reg, current, tgt)):
+        if known and (tgt == current or h.get("health") == "lost" or h.get("draining") == "1"):
             self._known.pop(name, None)  # a noop or a refusal: decided on a fresh read
             return None
-        check_target(facts_of(reg, None), current, tgt)
+        try:
+            check_target(facts_of(reg, None), current, tgt)
+        except InvalidArgument:
+            if not known:
+                raise
+            self._known.pop(name, None)  # a refusal: decided on a fresh read
+            return None
         if prev:
             return ReconfigureResult(switch_id=prev, duplicate=True)
         if h.get("health") == "lost":
@@ -820,8 +825,11 @@ class _Pump:
         self.task.cancel()
 
 
-def _drop(fut: asyncio.Future) -> None:
-    """A background check no longer wanted: cancelled, its outcome (if any) consumed."""
+def _drop(fut: asyncio.Future | None) -> None:
+    """A background check no longer wanted (None: none was started): cancelled, its outcome
+    (if any) consumed."""
+    if fut is None:
+        return
     if fut.done():
         if not fut.cancelled():
             fut.exception()
@@ -853,15 +861,6 @@ def _check_registration(req: Registration) -> None:
     if req.kv_bandwidth_bps < 0 or req.weight_bandwidth_bps < 0:
         raise InvalidArgument("bandwidths must be >= 0")
     validate.labels("labels", dict(req.labels))
-
-
-def _fits(reg: Registration, current: Topology, target: Topology) -> bool:
-    """Whether ``check_target`` accepts the switch (pure)."""
-    try:
-        check_target(facts_of(reg, None), current, target)
-    except InvalidArgument:
-        return False
-    return True
 
 
 def _check_topology_fields(t: Topology) -> None:

@@ -539,9 +539,6 @@ class Store:
             EVENTS_MAXLEN, REQID_TTL_S])
         return res[0], res[1]
 
-    async def switch_for_request(self, node: str, request_id: str) -> str | None:
-        return await self._call(self.r.get(self.k_reqid(node, request_id)))
-
     async def node_and_request(self, node: str, request_id: str
                                ) -> tuple[dict[str, str] | None, str | None]:
         """The node's hash (None: unknown) and the switch an earlier request with

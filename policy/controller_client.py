@@ -13,9 +13,11 @@ from remp.auth import Credentials
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.controllers import AioControllers
+from remp.convert import OUTCOME_FROM_PROTO
 from remp.errors import (ConfigError, FailedPrecondition, InvalidArgument, NotFound, RempError,
                          Unauthenticated, Unavailable, error_from_rpc)
 from remp.topology import Topology
+from remp.transaction import Outcome
 
 # The controller's answers the policy acts on; any other failure (a deadline, the controller
 # misbehaving) is Unavailable to it: try again later, same request id.
@@ -45,20 +47,10 @@ def _topo(t: types_pb2.Topology) -> Topology | None:
     return Topology(t.tp, t.pp) if t.tp and t.pp else None
 
 
-_OUTCOME = {
-    types_pb2.SWITCH_OUTCOME_RUNNING: "running",
-    types_pb2.SWITCH_OUTCOME_SUCCEEDED: "succeeded",
-    types_pb2.SWITCH_OUTCOME_ROLLED_BACK: "rolled_back",
-    types_pb2.SWITCH_OUTCOME_FAILED: "failed",
-    types_pb2.SWITCH_OUTCOME_ABORTED: "aborted",
-    types_pb2.SWITCH_OUTCOME_NOOP: "noop",
-    types_pb2.SWITCH_OUTCOME_UNKNOWN: "unknown",
-}
-
-
 def switch_result(r) -> SwitchResult:
     """A SwitchRecord as the policy follows it (an unset outcome is still running)."""
-    return SwitchResult(_OUTCOME.get(r.outcome, "running"), r.error.code, r.error.message)
+    return SwitchResult(OUTCOME_FROM_PROTO.get(r.outcome, Outcome.RUNNING).value, r.error.code,
+                        r.error.message)
 
 
 def node_view(st: controller_pb2.NodeState) -> NodeView:

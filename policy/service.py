@@ -98,14 +98,11 @@ class ReconfigureResult:
     duplicate: bool = False
 
 
-SWITCH_STATES = ("running", "succeeded", "rolled_back", "failed", "aborted", "noop", "unknown",
-                 "missing")
-
-
 @dataclass(frozen=True)
 class SwitchResult:
-    """Where a switch the policy asked for stands (``Controller.GetSwitch``): ``state`` is one
-    of SWITCH_STATES ("missing": the controller has no such record), with the record's error."""
+    """Where a switch the policy asked for stands (``Controller.GetSwitch``): ``state`` is a
+    ``remp.transaction.Outcome`` value, or "missing" (the controller has no such record), with
+    the record's error."""
 
     state: str
     code: str = ""
@@ -569,13 +566,20 @@ class _Pending:
 
 @dataclass
 class _Following:
-    """An accepted switch not finished yet: the decision commits when it SUCCEEDS."""
+    """An accepted switch (``rec.switch_id``) not finished yet: the decision commits when it
+    SUCCEEDS."""
 
-    switch_id: str
     rec: "DecisionRecord"
-    target: Topology
     request_id: str
     duplicate: bool = False
+
+    @property
+    def switch_id(self) -> str:
+        return self.rec.switch_id
+
+    @property
+    def target(self) -> Topology:
+        return self.rec.decision.recommended
 
 
 @dataclass
@@ -1039,7 +1043,7 @@ class PolicyService:
         if r.noop:
             rec.outcome = "noop: already on the target"
         else:  # committed once it succeeds (_follow, _settle)
-            n.following = _Following(r.switch_id, rec, d.recommended, rid, r.duplicate)
+            n.following = _Following(rec, rid, r.duplicate)
             rec.outcome = self._accepted(n.following, "running")
         log.info("policy.reconfigured", node=n.name, decision_id=rec.id, switch_id=r.switch_id,
                  request_id=rid, target=str(d.recommended), outcome=rec.outcome,

@@ -237,9 +237,14 @@ async def test_an_agent_refusal_rolls_the_switch_back_with_its_message(core, age
 
 async def test_a_connected_agent_is_not_health_checked_first(core, agent):
     agent.live = True
+    spawned: list[asyncio.Task] = []
+    spawn = core.spawn
+    core.spawn = lambda coro: spawned.append(spawn(coro)) or spawned[-1]
     res = await core.reconfigure("n1", Topology(1, 2), "", "")
     assert (await finished(core, res.switch_id)).outcome is Outcome.SUCCEEDED
     assert agent.called("check_serving") == [] and len(agent.called("execute_switch")) == 1
+    (driver,) = spawned
+    await asyncio.wait_for(driver, 5)  # the driver itself ended cleanly (no health check to drop)
 
 
 async def test_an_execute_switch_that_never_connected_rolls_back_agent_unavailable(core, agent):
