@@ -547,17 +547,14 @@ class PerfModel:
         return 0.4 + self.weights_per_rank_bytes(dst) / 25e9
 
 
-def topologies(max_world: int = 8) -> tuple[Topology, ...]:
-    """TP x PP with power-of-two degrees and world sizes 1, 2, 4, 8."""
-    out = []
-    for w in (1, 2, 4, 8):
-        if w > max_world:
-            break
-        tp = w
-        while tp >= 1:
-            out.append(Topology(tp, w // tp))
-            tp //= 2
-    return tuple(out)
+def topologies(max_world: int = 8, layers: int | None = None) -> tuple[Topology, ...]:
+    """TP x PP with TP in {1, 2, 4, 8} (the degrees Vidur measured) and PP any degree that divides
+    ``layers`` (remp's planners need whole layers per stage; any PP when ``layers`` is None), world
+    size at most ``max_world``; by world size, then TP descending. For 32-layer models that is
+    world sizes 1, 2, 4, 8; 80-layer ones (Llama-2/3-70B) add world 5 (TP1PP5)."""
+    out = [Topology(tp, pp) for tp in (1, 2, 4, 8) for pp in range(1, max_world // tp + 1)
+           if layers is None or layers % pp == 0]
+    return tuple(sorted(out, key=lambda t: (t.world_size, -t.tp)))
 
 
 # ============================================================================================
@@ -574,8 +571,9 @@ def profile_name(gpu: str, model: str) -> str:
 
 def build_profile(model: str, gpu: str, attention_csv: Path | str | None = None):
     """A ``policy.profiles.Profile`` for ``model`` on an 8-GPU ``gpu`` host: every topology of
-    world size 1, 2, 4, 8 whose weights and a minimal KV cache fit, a load sweep from 0 to 0.995 x
-    capacity, switch downtimes for every pair, and the default SLO of the model size."""
+    ``topologies`` (world sizes 1-8 as the model's layers allow) whose weights and a minimal KV
+    cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every pair, and the
+    default SLO of the model size."""
     from policy.profile_types import SLO, Profile, TopologyCurve
 
     spec, g = MODELS[model], GPUS[gpu]
@@ -583,7 +581,7 @@ def build_profile(model: str, gpu: str, attention_csv: Path | str | None = None)
     pm = PerfModel(spec, g, attn)
     curves = []
     fracs = np.concatenate([np.linspace(0.0, 0.9, 31), np.linspace(0.92, 0.995, 6)])
-    for topo in topologies():
+    for topo in topologies(8, spec.layers):
         if not pm.fits(topo):
             continue
         cap = pm.capacity_rps(topo)

@@ -1,7 +1,7 @@
 """Objectives chosen by the operator, and the decision that serves them (pure; clock and forecast
 are arguments).
 
-- ``gpu-hours`` (default): hold the fewest GPUs (world size 1, 2, 4 or 8; the rest released)
+- ``gpu-hours`` (default): hold the fewest GPUs (any world size the profile has; the rest released)
   whose SLO capacity covers the forecast load with headroom.
 - ``latency``: keep the whole host; among its topologies whose SLO capacity covers the forecast
   load with headroom, the one with the lowest TPOT at that load.
@@ -276,7 +276,8 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
     if cfg.objective == "latency":
         if n_now > cap or cur not in table.host:
-            tgt = table.lowest_tpot_covering(n_plan, mean0)
+            # the day's last switch goes to the largest, so no second scale-up can be needed
+            tgt = table.lowest_tpot_covering(n_plan, mean0) if left > 1 else table.fixed_best
             return out(tgt, "scale-up", f"load {last:.3g} req/s nears {cur}'s SLO capacity {cap:.3g}: "
                        f"-> {tgt} (capacity {table.slo_cap[tgt]:.3g})", 0.0, "tpot-ms", up_n, n_plan)
         tgt = table.lowest_tpot_covering(n_down, mean0)
@@ -301,7 +302,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     if n_now > cap:
         return _scale_up(out, table, cur, table.cheapest_covering(n_plan), up_n, W,
                          f"load {n_now:.3g} req/s with headroom",
-                         f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan)
+                         f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan, left)
     tgt = table.cheapest_covering(n_down)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs covering {n_down:.3g} req/s", 0.0, "gpu-hours",
@@ -323,11 +324,15 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
 
 def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int, W: float,
-              state_text: str, why: str, need: float) -> "ScaleDecision":
-    """Scale up to ``tgt`` now (no dwell, no budget); a target no larger than ``cur`` means the
-    largest topology, and staying when ``cur`` already is it."""
-    if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0):
-        tgt = max(table.order, key=lambda t: table.slo_cap[t])
+              state_text: str, why: str, need: float, left: int) -> "ScaleDecision":
+    """Scale up to ``tgt`` now (no dwell, never held by the budget); a target no larger than
+    ``cur`` means the largest topology, and staying when ``cur`` already is it. With ``left`` <= 1
+    (this is the rolling day's last switch, the one a scale-down keeps in reserve) it goes to the
+    largest topology, so that no second scale-up can be needed before the day's switches age out:
+    with more than two world sizes (e.g. 4 -> 5 -> 8 GPUs), two steps up would break the budget."""
+    largest = max(table.order, key=lambda t: table.slo_cap[t])
+    if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0) or left <= 1:
+        tgt = largest
     if tgt == cur:
         return out(cur, "stay", f"{cur} is already the largest; {state_text}")
     extra = (tgt.world_size - cur.world_size) * up_n * W / 3600.0
@@ -415,7 +420,7 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
             or bet(cur) > cfg.budget_share * error_budget):
         return _scale_up(out, table, cur, cheapest(ok(up_n)), up_n, W,
                          f"expected loss {now.get(cur, 1.0):.2%}",
-                         f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now)
+                         f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now, left)
     tgt = cheapest(now)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%}", 0.0, "gpu-hours",
