@@ -20,11 +20,12 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
 - A topology qualifies when that share is <= ``loss_budget`` (x mean / next, at most
   ``quiet_budget_max``, in a window whose expected fixed-best in-SLO rate "next" is below the
   last 24 h's mean ``day_goodput``: the day's bar counts requests, so a quiet window may lose a
-  larger share of its own), its loss in one window at the peak of the last ``peak_s`` is <=
-  ``budget_share`` x the day's remaining SLO error budget (argument ``error_budget``, requests),
-  and it covers the absolute floor ``floor_rps``.
+  larger share of its own), its loss in one window at (1 + ``bet_growth``) x the peak of the last
+  ``peak_s`` is <= ``budget_share`` x the day's remaining SLO error budget (argument
+  ``error_budget``, requests), and it covers the absolute floor ``floor_rps``.
 - **Scale up at once** (no dwell, never held by the budget) when the current one does not
-  qualify, to the cheapest one qualifying over ``up_lookahead_s``.
+  qualify, to the cheapest one qualifying over ``up_lookahead_s`` (the largest when this is the
+  rolling day's last switch).
 - **Scale down** (one world-size step at a time with ``step_down``) when a smaller one qualifies,
   after the dwell (max(``min_dwell_s``, ``min_dwell_windows`` windows)), after a warm-up of as many
   observed windows in a row as the recent span (at the start and after a gap), with one switch of
@@ -89,6 +90,7 @@ class ScaleConfig:
     quiet_budget_max: float = 2.0  # in a window quieter than the last 24 h, loss_budget x (24-h mean / next) up to this
     min_dwell_windows: int = 2  # the dwell is at least this many windows
     step_down: bool = True  # a scale-down releases one world-size step at a time
+    bet_growth: float = 0.1  # the bet above is at the recent peak x (1 + this): the next window may rise
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -96,9 +98,9 @@ class ScaleConfig:
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
-                and self.quiet_budget_max >= 1):
+                and self.quiet_budget_max >= 1 and self.bet_growth >= 0):
             raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0, "
-                             "quiet_budget_max >= 1")
+                             "quiet_budget_max >= 1, bet_growth >= 0")
         if not (self.headroom >= 1.0 and 0 < self.band_quantile < 1 and self.min_dwell_s >= 0
                 and self.max_switches_per_day >= 1 and self.floor_rps >= 0 and 0 < self.attainment_bar <= 1):
             raise ValueError("headroom >= 1, 0 < band_quantile < 1, dwell >= 0, budget >= 1, "
@@ -399,6 +401,9 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
 
     pk = np.append(rec, recent_peak) if recent_peak is not None else rec
     peak = float(np.nanmax(pk)) if pk.size and np.any(~np.isnan(pk)) else last
+    # the bet: one window at the recent peak, allowed to rise by bet_growth (with 1-h windows and
+    # no day of history, a morning ramp of +30 % an hour is not in the recent peak yet)
+    peak = peak * (1.0 + cfg.bet_growth)
     gb_peak = float(table.scorer.goodput_rps(table.fixed_best, peak))
 
     def bet(t: Topology) -> float:

@@ -315,3 +315,27 @@ def test_the_days_last_switch_scales_up_to_the_largest():
     assert last.switches_in_last_day(now) == 11
     d = decide_scale(last, now, x, band(x), t, recent=np.full(3, x), error_budget=1e9)
     assert d.switch and d.reason == "scale-up" and d.recommended == max(t.order, key=lambda o: t.slo_cap[o])
+
+
+def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
+    """The error-budget bet is one window at (1 + bet_growth) x the recent peak: a world-4
+    topology that loses nothing at the peak itself but would lose more than half the day's
+    remaining budget 10 % above it is not stepped down to (it is with bet_growth 0)."""
+    w4 = max((t for t in table.order if t.world_size == 4), key=lambda t: table.slo_cap[t])
+    sc, W = table.scorer, 600.0
+    peak = table.slo_cap[w4] * 0.97
+
+    def loss(x):
+        return max(float(sc.goodput_rps(table.fixed_best, x)) - float(sc.goodput_rps(w4, x)), 0.0) * W
+
+    assert loss(peak) < loss(1.1 * peak)
+    budget = (loss(peak) + loss(1.1 * peak))  # half of it lies between the two bets
+    st = PolicyState(table.fixed_best, last_switch_s=0.0)
+    rec = np.full(4, peak)
+    kw = dict(recent=rec, recent_peak=peak, error_budget=budget)
+    old = decide_scale(st, 1e5, peak, band(peak), table, ScaleConfig(bet_growth=0.0), **kw)
+    assert old.switch and old.recommended == w4
+    new = decide_scale(st, 1e5, peak, band(peak), table, ScaleConfig(), **kw)
+    assert not new.switch and ScaleConfig().bet_growth == 0.1
+    with pytest.raises(ValueError):
+        ScaleConfig(bet_growth=-0.1)
