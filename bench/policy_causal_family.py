@@ -28,19 +28,22 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import glob
 import itertools
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from policy.decide import DAY_S
-from policy.profiles import load_profile
 from policy.savings import auto_topologies, capacity_table, run_savings
 from policy.scale import ScaleConfig
-from policy.traces import read_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.policy_savings_table import grid_cases  # noqa: E402
 
 H = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0)
 K = (1, 2, 3, 6, 12, 24)
@@ -169,29 +172,24 @@ def main() -> None:
     a = ap.parse_args()
     grid = {(r["trace"], r["model"], r["K"]): r
             for r in json.load(open(a.grid or f"bench/results/policy_savings_{a.gpu}.md.json"))}
-    files = sorted(glob.glob(f"{a.traces}/*/*.csv") + glob.glob(f"{a.traces}/*/*.jsonl"))
     ms = members(a.family)
     results = []  # per run: (record, [(frac, att, sw) per member])
     t_all = time.time()
-    for f in files:
-        series = read_trace(f)
-        for model in ("llama2-7b", "llama2-70b"):
-            prof = load_profile(f"{a.gpu}x8-{model}")
-            for k_load in (0.6, 0.9, 1.2):
-                t0 = time.time()
-                ev = run_savings(series, prof, "gpu-hours", k_load,
-                                 policies=("fixed-best", "reactive", "oracle"))
-                table = capacity_table(prof, prof.default_slo, 0.99)
-                rp = Replay(ev, table)
-                # the accounting check: reactive's own path through this replay gives its numbers
-                rpath = np.array([rp.order.index(t) for t in ev.runs["reactive"].topologies])
-                fr, at, _ = rp.score(rpath)
-                assert abs(fr - ev.gpu_hours_fraction("reactive")) < 1e-9, (fr, ev.gpu_hours_fraction("reactive"))
-                assert abs(at - ev.relative_attainment("reactive")[1]) < 1e-6, (at, ev.relative_attainment("reactive"))
-                rec = grid[(series.name, model, k_load)]
-                res = replay_auto(rp, ev, series, table) if a.family == "auto" else replay_members(rp)
-                results.append((rec, res))
-                print(f"{series.name} {model} K={k_load}: {len(ms)} members in {time.time() - t0:.1f}s", flush=True)
+    for series, model, k_load, prof in grid_cases(a.traces, a.gpu):
+        t0 = time.time()
+        ev = run_savings(series, prof, "gpu-hours", k_load,
+                         policies=("fixed-best", "reactive", "oracle"))
+        table = capacity_table(prof, prof.default_slo, 0.99)
+        rp = Replay(ev, table)
+        # the accounting check: reactive's own path through this replay gives its numbers
+        rpath = np.array([rp.order.index(t) for t in ev.runs["reactive"].topologies])
+        fr, at, _ = rp.score(rpath)
+        assert abs(fr - ev.gpu_hours_fraction("reactive")) < 1e-9, (fr, ev.gpu_hours_fraction("reactive"))
+        assert abs(at - ev.relative_attainment("reactive")[1]) < 1e-6, (at, ev.relative_attainment("reactive"))
+        rec = grid[(series.name, model, k_load)]
+        res = replay_auto(rp, ev, series, table) if a.family == "auto" else replay_members(rp)
+        results.append((rec, res))
+        print(f"{series.name} {model} K={k_load}: {len(ms)} members in {time.time() - t0:.1f}s", flush=True)
 
     def ok(x):
         return x[1] >= 0.99 - 1e-12 and x[2] <= 12 + 1e-9
