@@ -11,7 +11,6 @@ from policy.profiles import load_profile
 from policy.savings import POLICIES, RESULT_KEYS, run_savings
 from policy.scale import Band, CapacityTable, ScaleConfig, decide_scale
 from policy.traces import WindowSeries, write_canonical
-from remp.topology import Topology
 
 
 @pytest.fixture(scope="module")
@@ -283,38 +282,35 @@ def test_a_quiet_window_may_lose_a_larger_share_of_its_own_requests(table):
 
 def test_step_down_goes_to_a_topology_that_itself_qualifies():
     """h200x8-llama2-70b at 6.0 req/s: TP2PP2 (the highest SLO capacity of world 4) is expected
-    to lose 0.97 %, TP4PP1 0.94 % (budget 0.95 %): the step down from world 5 (TP1PP5, the next
-    size above 4 for an 80-layer model) goes to TP4PP1."""
+    to lose 0.97 %, TP4PP1 0.94 % (budget 0.95 %): the step down goes to TP4PP1."""
     p = load_profile("h200x8-llama2-70b")
     t = CapacityTable(p, p.default_slo)
     x = 6.003
     loss = t.relative_loss(np.array([x]), np.array([1.0]))
     w4 = [o for o in t.order if o.world_size == 4]
     assert loss[w4[0]] > 0.0095 >= min(loss[o] for o in w4[1:])
-    st = PolicyState(Topology(1, 5), last_switch_s=0.0, switch_times_s=())
+    st = PolicyState(t.fixed_best, last_switch_s=0.0, switch_times_s=())
     d = decide_scale(st, 1e5, x, band(x), t, recent=np.full(3, x), error_budget=1e9)
     assert d.switch and d.reason == "scale-down" and d.recommended.world_size == 4
     assert loss[d.recommended] <= 0.0095 and d.recommended != w4[0]
 
 
-def test_the_days_last_switch_scales_up_to_the_largest():
-    """An 80-layer model has three sizes below the host (4, 5, 8 GPUs on H100): from world 4 a
-    load just past its capacity goes to world 5 while the budget has switches to spare, but when
-    this is the rolling day's last switch (the one a scale-down keeps in reserve) it goes to the
-    largest topology, so that no second scale-up (5 -> 8) can break the 12/day budget."""
-    p = load_profile("h100x8-llama2-70b")
-    t = CapacityTable(p, p.default_slo)
-    w4 = max((o for o in t.order if o.world_size == 4), key=lambda o: t.slo_cap[o])
-    x = 1.2 * t.slo_cap[w4]
-    assert x < t.slo_cap[Topology(1, 5)]
+def test_the_days_last_switch_scales_up_to_the_largest(table):
+    """With world sizes 1, 2, 4, 8 two scale-ups in a row can be needed (2 -> 4 -> 8): from world
+    2 a load just past its capacity goes to world 4 while the budget has switches to spare, but
+    when this is the rolling day's last switch (the one a scale-down keeps in reserve) it goes to
+    the largest topology, so that no second scale-up can break the 12/day budget."""
+    w2 = max((o for o in table.order if o.world_size == 2), key=lambda o: table.slo_cap[o])
+    x = 1.2 * table.slo_cap[w2]
+    assert x * 1.5 < min(table.slo_cap[o] for o in table.order if o.world_size == 4)
     now = 1e6
-    spare = PolicyState(w4, last_switch_s=now - 3600, switch_times_s=tuple(now - 3600 * k for k in range(1, 6)))
-    d = decide_scale(spare, now, x, band(x), t, recent=np.full(3, x), error_budget=1e9)
-    assert d.switch and d.reason == "scale-up" and d.recommended.world_size == 5
-    last = PolicyState(w4, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(11)))
+    spare = PolicyState(w2, last_switch_s=now - 3600, switch_times_s=tuple(now - 3600 * k for k in range(1, 6)))
+    d = decide_scale(spare, now, x, band(x), table, recent=np.full(3, x), error_budget=1e9)
+    assert d.switch and d.reason == "scale-up" and d.recommended.world_size == 4
+    last = PolicyState(w2, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(11)))
     assert last.switches_in_last_day(now) == 11
-    d = decide_scale(last, now, x, band(x), t, recent=np.full(3, x), error_budget=1e9)
-    assert d.switch and d.reason == "scale-up" and d.recommended == max(t.order, key=lambda o: t.slo_cap[o])
+    d = decide_scale(last, now, x, band(x), table, recent=np.full(3, x), error_budget=1e9)
+    assert d.switch and d.reason == "scale-up" and d.recommended == max(table.order, key=lambda o: table.slo_cap[o])
 
 
 def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
