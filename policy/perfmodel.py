@@ -574,8 +574,8 @@ def profile_name(gpu: str, model: str) -> str:
 def build_profile(model: str, gpu: str, attention_csv: Path | str | None = None):
     """A ``policy.profiles.Profile`` for ``model`` on an 8-GPU ``gpu`` host: every topology of
     ``topologies`` (the world sizes an agent on 8 GPUs registers: 1, 2, 4, 8) whose weights and a
-    minimal KV cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every pair, and the
-    default SLO of the model size."""
+    minimal KV cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every
+    pair, and the default SLO of the model size."""
     from policy.profile_types import SLO, Profile, TopologyCurve
 
     spec, g = MODELS[model], GPUS[gpu]

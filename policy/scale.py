@@ -331,7 +331,7 @@ def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int
     ``cur`` means the largest topology, and staying when ``cur`` already is it. With ``left`` <= 1
     (this is the rolling day's last switch, the one a scale-down keeps in reserve) it goes to the
     largest topology, so that no second scale-up can be needed before the day's switches age out:
-    with more than two world sizes (e.g. 4 -> 5 -> 8 GPUs), two steps up would break the budget."""
+    with world sizes 1, 2, 4, 8, two steps up (2 -> 4 -> 8) would break the budget."""
     largest = max(table.order, key=lambda t: table.slo_cap[t])
     if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0) or left <= 1:
         tgt = largest

@@ -311,6 +311,9 @@ def test_the_days_last_switch_scales_up_to_the_largest(table):
     assert last.switches_in_last_day(now) == 11
     d = decide_scale(last, now, x, band(x), table, recent=np.full(3, x), error_budget=1e9)
     assert d.switch and d.reason == "scale-up" and d.recommended == max(table.order, key=lambda o: table.slo_cap[o])
+    # the latency objective alike: its last switch of the day goes to fixed-best
+    d = decide_scale(last, now, x, band(x), table, ScaleConfig(objective="latency"), recent=np.full(3, x))
+    assert d.switch and d.recommended == table.fixed_best
 
 
 def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
@@ -325,7 +328,7 @@ def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
         return max(float(sc.goodput_rps(table.fixed_best, x)) - float(sc.goodput_rps(w4, x)), 0.0) * W
 
     assert loss(peak) < loss(1.1 * peak)
-    budget = (loss(peak) + loss(1.1 * peak))  # half of it lies between the two bets
+    budget = loss(peak) + loss(1.1 * peak)  # half of it lies between the two bets
     st = PolicyState(table.fixed_best, last_switch_s=0.0)
     rec = np.full(4, peak)
     kw = dict(recent=rec, recent_peak=peak, error_budget=budget)

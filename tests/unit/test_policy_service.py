@@ -146,8 +146,7 @@ def register(stub, tp: int = 2, pp: int = 1) -> str:
 _last_at: dict[str, float] = {}
 
 
-def push(stub, node: str, rate: float, seconds: int, step: float = 1.0,
-         topo: tuple[int, int] = (2, 1)) -> float:
+def push(stub, node: str, rate: float, seconds: int, step: float = 1.0) -> float:
     """Heartbeats carrying ``seconds`` of synthetic traffic at ``rate`` req/s, continuing the
     node's synthetic timeline (the first push ends now; later ones follow on, so a sample is
     never older than the previous one)."""
@@ -159,7 +158,7 @@ def push(stub, node: str, rate: float, seconds: int, step: float = 1.0,
                                     output_tokens=8 * n)
         s.at.FromNanoseconds(int(at * 1e9))
         stub.Heartbeat(controller_pb2.HeartbeatRequest(
-            node=node, topology=types_pb2.Topology(tp=topo[0], pp=topo[1]), traffic=s), metadata=MD,
+            node=node, topology=types_pb2.Topology(tp=2, pp=1), traffic=s), metadata=MD,
             timeout=5)
     _last_at[node] = start + seconds * step
     return _last_at[node]
