@@ -381,9 +381,9 @@ def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
         candidates = sorted(set(wanted) | {topo}, key=lambda t: (t.world_size, -t.tp))
     if settings.world_changes and settings.switching:
         # the engine's worker processes: the largest candidate world; smaller worlds run on
-        # ranks 0 .. TP·PP-1 (vLLM's group layout needs the world to be a multiple of theirs)
+        # ranks 0 .. TP·PP-1, the rest STANDBY (a world that does not divide the engine's gets
+        # its groups laid out over the active ranks: engine_plugin.worker_side._initialize_groups)
         world = max(t.world_size for t in candidates)
-        candidates = [t for t in candidates if world % t.world_size == 0]
         engine_topo = topo if topo.world_size == world else next(
             t for t in candidates if t.world_size == world)
     else:

@@ -549,13 +549,13 @@ class PerfModel:
 
 def topologies(max_world: int = 8, layers: int | None = None) -> tuple[Topology, ...]:
     """The topologies a remp agent on a ``max_world``-GPU host registers: TP in {1, 2, 4, 8} (the
-    degrees Vidur measured), PP any degree that divides ``layers`` (remp's planners need whole
-    layers per stage; any PP when ``layers`` is None), and a world size that divides the host's
-    (the agent runs a smaller world on ranks 0 .. TP*PP-1 of the engine's workers, and vLLM's group
-    layout needs the engine's world to be a multiple of it: ``node_agent/config.py``). By world
-    size, then TP descending: on 8 GPUs world sizes 1, 2, 4, 8 — never 3, 5, 6 or 7."""
+    degrees Vidur measured) and PP any degree that divides ``layers`` (remp's planners need whole
+    layers per stage; any PP when ``layers`` is None), world size at most ``max_world`` (a world
+    that does not divide the host's runs too: its groups are laid out over the active ranks). By
+    world size, then TP descending: 32-layer models get world sizes 1, 2, 4, 8; 80-layer ones
+    (Llama-2/3-70B) also world 5 (TP1PP5)."""
     out = [Topology(tp, pp) for tp in (1, 2, 4, 8) for pp in range(1, max_world // tp + 1)
-           if (layers is None or layers % pp == 0) and max_world % (tp * pp) == 0]
+           if layers is None or layers % pp == 0]
     return tuple(sorted(out, key=lambda t: (t.world_size, -t.tp)))
 
 
@@ -573,8 +573,8 @@ def profile_name(gpu: str, model: str) -> str:
 
 def build_profile(model: str, gpu: str, attention_csv: Path | str | None = None):
     """A ``policy.profiles.Profile`` for ``model`` on an 8-GPU ``gpu`` host: every topology of
-    ``topologies`` (the world sizes an agent on 8 GPUs registers: 1, 2, 4, 8) whose weights and a
-    minimal KV cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every
+    ``topologies`` (the world sizes an agent on 8 GPUs registers: 1, 2, 4, 8, and 5 for 80 layers)
+    whose weights and a minimal KV cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every
     pair, and the default SLO of the model size."""
     from policy.profile_types import SLO, Profile, TopologyCurve
 

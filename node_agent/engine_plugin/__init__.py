@@ -75,6 +75,8 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", "REBINDING kv cache config"),
     ("vllm.v1.kv_cache_interface", "KVCacheConfig", "REBINDING kv cache config"),
     ("vllm.distributed.parallel_state", "initialize_model_parallel", "prebuilt groups"),
+    ("vllm.distributed.parallel_state", "init_model_parallel_group",
+     "groups of a world that does not divide the engine's (parked ranks get their own)"),
     ("vllm.distributed.parallel_state", "_TP", "group globals swapped at MPU_APPLIED"),
     ("vllm.distributed.parallel_state", "_PP", "group globals swapped at MPU_APPLIED"),
     ("vllm.distributed.parallel_state", "_DCP", "group globals swapped at MPU_APPLIED"),

@@ -279,6 +279,32 @@ def _step_timing(cls, rank: int) -> None:
     wrap("sample_tokens")
 
 
+def _initialize_groups(ps, tp: int, pp: int, world: int) -> None:
+    """vLLM's ``initialize_model_parallel`` tiles the whole world with the TP x PP layout, so it
+    needs the world to be a multiple of TP·PP. For a topology whose world does not divide the
+    engine's (PP3 on 4 workers, PP5 on 8), lay it out over the active ranks 0 .. TP·PP-1 and give
+    every parked rank a group of its own in each group kind: every rank still calls new_group for
+    every group in the same order, as torch requires, and a parked rank (STANDBY, no-op steps)
+    never communicates through them."""
+    w = tp * pp
+    backend = torch.distributed.get_backend()
+    if world % w == 0:
+        ps.initialize_model_parallel(tp, pp, backend=backend)
+        return
+    parked = [[r] for r in range(w, world)]
+    init, size = ps.init_model_parallel_group, torch.distributed.get_world_size
+
+    def init_with_parked(group_ranks, *args, **kwargs):
+        return init([list(g) for g in group_ranks] + parked, *args, **kwargs)
+
+    ps.init_model_parallel_group = init_with_parked
+    torch.distributed.get_world_size = lambda group=None: w if group is None else size(group)
+    try:
+        ps.initialize_model_parallel(tp, pp, backend=backend)
+    finally:
+        ps.init_model_parallel_group, torch.distributed.get_world_size = init, size
+
+
 class RempWorkerExtension:
     """Mixed into every vLLM worker; call with ``collective_rpc("remp_...")``."""
 
@@ -379,11 +405,11 @@ class RempWorkerExtension:
         st.groups[current] = {n: getattr(ps, n) for n in GROUP_GLOBALS}
         with set_current_vllm_config(self.vllm_config):
             for tp, pp in candidates:
-                if (tp, pp) in st.groups or world % (tp * pp):
+                if (tp, pp) in st.groups or tp * pp > world:
                     continue
                 for n in GROUP_GLOBALS:
                     setattr(ps, n, None)
-                ps.initialize_model_parallel(tp, pp, backend=torch.distributed.get_backend())
+                _initialize_groups(ps, tp, pp, world)
                 st.groups[(tp, pp)] = {n: getattr(ps, n) for n in GROUP_GLOBALS}
         for n, g in st.groups[current].items():
             setattr(ps, n, g)

@@ -96,9 +96,20 @@ def test_engine_starts_the_largest_candidate_world(model):
     assert cfg.engine_topology.world_size == 4 and cfg.engine_topology in cfg.candidates
     assert {t.world_size for t in cfg.candidates} == {1, 2, 4}
     assert len(cfg.cpu_binds) == 4  # one CPU set per worker process
-    # a world that does not divide the largest one cannot share its groups: left out
+    # 3 devices: no world-3 topology is valid for this model (8 heads, 4 layers), so 2 workers
     cfg3 = resolve(settings(model, tp=1, pp=1, devices=3))
     assert cfg3.engine_topology.world_size == 2 and all(t.world_size in (1, 2) for t in cfg3.candidates)
+
+
+def test_a_world_that_does_not_divide_the_engines_is_a_candidate(tmp_path):
+    """12 layers on 4 devices: TP1PP3 (world 3) is offered beside the 1/2/4 worlds; the engine
+    runs 4 workers and parks rank 3 there (its groups are laid out over ranks 0-2)."""
+    from devstack.modelgen import TinyLlamaSpec
+
+    m = make_model(tmp_path / "tiny12", TinyLlamaSpec(num_layers=12))
+    cfg = resolve(settings(m, tp=2, pp=2))
+    assert Topology(1, 3) in cfg.candidates and cfg.engine_topology == Topology(2, 2)
+    assert {t.world_size for t in cfg.candidates} == {1, 2, 3, 4}
 
 
 def test_no_world_changes_keeps_the_configured_world(model):

@@ -146,7 +146,8 @@ def register(stub, tp: int = 2, pp: int = 1) -> str:
 _last_at: dict[str, float] = {}
 
 
-def push(stub, node: str, rate: float, seconds: int, step: float = 1.0) -> float:
+def push(stub, node: str, rate: float, seconds: int, step: float = 1.0,
+         topo: tuple[int, int] = (2, 1)) -> float:
     """Heartbeats carrying ``seconds`` of synthetic traffic at ``rate`` req/s, continuing the
     node's synthetic timeline (the first push ends now; later ones follow on, so a sample is
     never older than the previous one)."""
@@ -158,7 +159,7 @@ def push(stub, node: str, rate: float, seconds: int, step: float = 1.0) -> float
                                     output_tokens=8 * n)
         s.at.FromNanoseconds(int(at * 1e9))
         stub.Heartbeat(controller_pb2.HeartbeatRequest(
-            node=node, topology=types_pb2.Topology(tp=2, pp=1), traffic=s), metadata=MD,
+            node=node, topology=types_pb2.Topology(tp=topo[0], pp=topo[1]), traffic=s), metadata=MD,
             timeout=5)
     _last_at[node] = start + seconds * step
     return _last_at[node]
@@ -252,6 +253,57 @@ async def test_gpu_hours_advises_fewer_gpus_with_saving_risk_and_profile(ctl, cs
         again = PolicyService(world_profile(), svc.controller, window_s=W, store=store)
         await again.start()
         assert {x.id: x for x in again.decisions}[rec.id].impact == imp
+    finally:
+        await close(svc)
+
+
+async def test_gpu_hours_steps_an_80_layer_node_down_to_five_gpus(ctl, cstub, redis_server):
+    """A Llama-2-70B-shaped node on 8 GPUs registers every valid topology (remp.topology: PP
+    divides the 80 layers, so TP1PP5 is one); on the built-in h100x8-llama2-70b profile, at a load
+    between world 4's SLO capacity and world 5's, the policy steps the host down to world 5 (not
+    4, not staying on 8), releasing ranks 5-7, and the controller takes it as a candidate."""
+    from policy.profiles import load_profile
+    from policy.scale import CapacityTable
+    from remp.topology import ModelShape, candidate_topologies
+
+    prof = load_profile("h100x8-llama2-70b")
+    shape = ModelShape(num_layers=80, num_attention_heads=64, num_kv_heads=8, head_size=128,
+                       hidden_size=8192)
+    cands = candidate_topologies(shape, 8)
+    assert Topology(1, 5) in cands
+    table = CapacityTable(prof, prof.default_slo)
+    w4 = max(table.slo_cap[t] for t in table.order if t.world_size == 4)
+    rate = 1.2 * w4  # 12.4 req/s: over every 4-GPU topology, well under TP1PP5's 15.9
+    assert rate * 1.1 < table.slo_cap[Topology(1, 5)]
+    node = "pn-" + uuid.uuid4().hex[:6]
+    cstub.RegisterNode(controller_pb2.RegisterNodeRequest(
+        node=node, agent_address=f"127.0.0.1:{free_port()}", http_address="http://x",
+        topology=types_pb2.Topology(tp=2, pp=4),
+        candidates=[types_pb2.Topology(tp=t.tp, pp=t.pp) for t in cands],
+        host=types_pb2.HostFacts(hostname="h", device_type="cuda", device_count=8, cpu_cores=64),
+        model=types_pb2.ModelFacts(num_layers=80, num_attention_heads=64, num_kv_heads=8,
+                                   head_size=128, hidden_size=8192, dtype="bfloat16",
+                                   weight_bytes=138_000_000_000)), metadata=MD, timeout=5)
+    store = RedisDecisionStore(redis_server.url, f"remp:policy:{uuid.uuid4().hex[:6]}:")
+    svc = PolicyService(prof, GrpcController(ctl.addr, Credentials.load().only(Role.POLICY),
+                                             timeout=5),
+                        config=PolicyConfig(horizon_s=300 * W), window_s=W, store=store,
+                        objective="gpu-hours",  # a 10-min horizon: the saving beats the switch cost
+                        scale=ScaleConfig(horizon_s=300 * W, up_lookahead_s=3 * W, recent_s=3 * W,
+                                          peak_s=6 * W))
+    await svc.start()
+    try:
+        t = push(cstub, node, rate, 60, topo=(2, 4))  # a minute: the error budget covers the bet
+        (first,) = mine(await svc.tick(t), node)  # the dwell counts from the service's start
+        assert not first.decision.switch and first.decision.reason in ("hold-dwell", "hold-warmup")
+        t = push(cstub, node, rate, 6, topo=(2, 4))
+        (rec,) = mine(await svc.tick(t), node)
+        d, imp = rec.decision, rec.impact
+        assert d.switch and d.reason == "scale-down" and d.recommended == Topology(1, 5), d.text
+        assert (imp.gpus, imp.host_gpus, imp.released_gpus) == (5, 8, (5, 6, 7))
+        assert imp.expected_saving_gpu_hours > 0
+        st = state(cstub, node)
+        assert st.recommendation.startswith("TP1PP5") and rec.id in st.recommendation
     finally:
         await close(svc)
 
