@@ -1,6 +1,8 @@
 """A world that does not divide the engine's: a 12-layer tiny Llama on 4 CPU workers, switched in
 place with requests mid-decode TP2PP2 → TP1PP3 (world 3, rank 3 STANDBY) → TP2PP2, token-exact in
-fp32 against an uninterrupted run. (On 8 GPUs the same path gives an 80-layer model TP1PP5.)"""
+fp32 against an uninterrupted run, the weights resharded peer to peer (nothing read from the host
+store) and every new shard checked bit for bit. (On 8 GPUs the same path gives an 80-layer model
+TP1PP5.)"""
 
 import asyncio
 
@@ -22,7 +24,8 @@ def test_world_three_on_four_workers_token_exact(tmp_path_factory, artifacts_dir
     model = make_model(tmp_path_factory.mktemp("model12") / "tiny-llama-12l",
                        TinyLlamaSpec(num_layers=12))
     a = AgentProcess(model, tp=2, pp=2, dtype="float32", log_dir=artifacts_dir, node="e2e-world3",
-                     extra=["--devices", "4"], env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
+                     extra=["--devices", "4", "--weight-reshard", "p2p", "--verify-weights"],
+                     env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})
     a.start().wait_ready()
     try:
         d = a.describe()
@@ -39,6 +42,8 @@ def test_world_three_on_four_workers_token_exact(tmp_path_factory, artifacts_dir
             assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED, rec.error.message
             assert rec.requests_in_flight == len(PROMPTS) and rec.requests_preempted == 0
             assert outs == reference, f"→ TP{tp}PP{pp} changed the tokens"
+            assert rec.weight_bytes_from_store == 0 and rec.weight_bytes_peer > 0
+            assert rec.weight_bytes_verified == rec.weight_bytes_loaded > 0
             d = a.describe()
             assert (d.topology.tp, d.topology.pp) == (tp, pp) and len(d.workers) == 4
             standby = sorted(w.rank for w in d.workers if w.state == types_pb2.WORKER_STATE_STANDBY)
