@@ -30,6 +30,13 @@ from remp.errors import NotLeader
 
 log = logs.get_logger("remp.controller.leader")
 
+
+def _raise_if_cancelling() -> None:
+    """Raise CancelledError when the running task has a cancel request that was swallowed."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
 _ACQUIRE = """
 -- KEYS: leader, term;  ARGV: id, address, ttl_ms
 local cur = redis.call('GET', KEYS[1])
@@ -128,13 +135,20 @@ class LeaderLease:
 
     async def run(self, on_elected: Callable[[], Awaitable[None]],
                   on_deposed: Callable[[], Awaitable[None]]) -> None:
-        """Until cancelled: follow, lead, step down when the lease cannot be kept."""
+        """Until cancelled: follow, lead, step down when the lease cannot be kept.
+
+        A cancellation is honoured even where something below swallowed it: Python 3.11's
+        ``asyncio.wait_for`` can drop one that lands as the renew completes, and a client may
+        turn it into a connection error. The task's pending cancel count says so; the loop checks
+        it at every turn (a shutdown that hung there kept a test waiting forever)."""
         try:
             while True:
+                _raise_if_cancelling()
                 if not self.is_leader:
                     try:
                         got = await self.try_acquire()
                     except (aioredis.RedisError, OSError):
+                        _raise_if_cancelling()
                         got = False
                     if not got:
                         await asyncio.sleep(self.poll_s)
@@ -152,6 +166,7 @@ class LeaderLease:
                         0.05, valid_until - self.clock()))
                     lost = not ok  # the key is gone or another controller's: no longer ours
                 except (aioredis.RedisError, OSError, TimeoutError):
+                    _raise_if_cancelling()
                     ok, lost = False, False
                 if ok:
                     valid_until = sent + self.lease_s - self.margin_s

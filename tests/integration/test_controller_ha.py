@@ -204,3 +204,33 @@ def test_a_deposed_leaders_writes_are_fenced_by_the_term(redis_server, wait_repl
             await sb.close()
             await r.aclose()
     asyncio.run(go())
+
+
+def test_a_swallowed_cancellation_still_ends_the_lease_loop(redis_server):
+    """Cancelling ``LeaderLease.run`` ends it even when the cancellation is swallowed below it —
+    here a Redis call that turns it into a RedisError (as a client may; Python 3.11's wait_for
+    can drop one too). Before, the loop went on polling and an awaiting shutdown hung."""
+    import redis as sync_redis
+
+    class Swallowing(LeaderLease):
+        async def try_acquire(self) -> bool:
+            try:
+                await asyncio.sleep(10)  # a Redis call that does not answer yet
+                return await super().try_acquire()
+            except asyncio.CancelledError:
+                raise sync_redis.RedisError("connection reset") from None
+
+    async def go():
+        r = aioredis.from_url(redis_server.url, decode_responses=True)
+        prefix = "t-swallow:"
+        b = Swallowing(r, prefix, "b", "10.0.0.2:1", lease_s=LEASE_S, poll_s=0.001)
+
+        async def noop():
+            return None
+        tb = asyncio.create_task(b.run(noop, noop))
+        await asyncio.sleep(0.2)
+        tb.cancel()  # once, as a shutdown does: it lands in the Redis call, which swallows it
+        await asyncio.wait_for(asyncio.gather(tb, return_exceptions=True), timeout=15)
+        assert tb.cancelled() and not b.is_leader
+        await r.aclose()
+    asyncio.run(go())
