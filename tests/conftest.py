@@ -1,5 +1,11 @@
+import faulthandler
 import os
+import sys
+import threading
+import time
 
+import grpc
+import psutil
 import pytest
 
 from remp.auth import ENV_FILE, Credentials
@@ -69,3 +75,71 @@ def remp_credentials(tmp_path_factory):
         os.environ.pop(ENV_FILE, None)
     else:
         os.environ[ENV_FILE] = old
+
+
+# ----------------------------------------------------------------------------- gRPC kept up
+# Every gRPC channel holds gRPC's global state (grpc_init); when the last one goes, the process
+# shuts gRPC down, and the next channel starts it again. The tests open a channel per call, so a
+# run did that thousands of times — and a channel's close can then stop gRPC's event engine
+# while holding the GIL, a deadlock that froze the whole test process (grpc/grpc#42247: CI sat
+# 80 minutes with nothing printed, pytest-timeout's signal never handled). One idle channel,
+# never connected, open for the whole run keeps gRPC up between calls.
+_GRPC_KEPT_UP = grpc.insecure_channel("127.0.0.1:9")
+
+
+# ----------------------------------------------------------------------------- the backstop
+# pytest-timeout (``timeout`` in pyproject.toml) fails a test that runs too long with SIGALRM:
+# the test's own clean-up then reaps the agents it started. A signal cannot end a test whose
+# main thread is stuck where its handler never runs or never returns (a C library waiting on a
+# condition, a deadlock on a lock or the GIL). Then, ``timeout`` + G s into one test
+# (G = $REMP_TEST_BACKSTOP_GRACE_S, 120), a thread prints every thread's stack to stderr, kills
+# what the run started and exits with code 70; where no Python thread can run (the GIL held),
+# faulthandler's C watchdog prints the stacks at ``timeout`` + 2G s and exits with code 1.
+BACKSTOP_EXIT = 70
+_current: dict = {}
+
+
+def _backstop(limit: float, config, err) -> None:
+    while True:
+        time.sleep(min(5.0, limit / 4))
+        nodeid, since = _current.get("test", (None, 0.0))
+        if nodeid is None or time.monotonic() - since < limit:
+            continue
+        err.write(f"\n+++ backstop: {nodeid} still running after {limit:.0f} s; "
+                  "every thread's stack follows, then the run exits +++\n")
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
+        for p in psutil.Process().children(recursive=True):
+            try:
+                err.write(f"killing child {p.pid}: {' '.join(p.cmdline()[:8])}\n")
+                p.kill()
+            except psutil.Error:
+                pass
+        err.flush()
+        os._exit(BACKSTOP_EXIT)
+
+
+def pytest_configure(config):
+    try:
+        timeout = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed
+        return
+    if timeout <= 0:
+        return
+    grace = float(os.environ.get("REMP_TEST_BACKSTOP_GRACE_S", "120"))
+    # the real stderr (a test's own is captured at fd level while it runs)
+    err = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
+    _current.update(err=err, hard=timeout + 2 * grace)
+    threading.Thread(target=_backstop, args=(timeout + grace, config, err), daemon=True,
+                     name="test-backstop").start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    _current["test"] = (item.nodeid, time.monotonic())
+    if "err" in _current:
+        faulthandler.dump_traceback_later(_current["hard"], exit=True, file=_current["err"])
+    yield
+    if "err" in _current:
+        faulthandler.cancel_dump_traceback_later()
+    _current.pop("test", None)
