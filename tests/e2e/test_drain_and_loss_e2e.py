@@ -28,7 +28,10 @@ from devstack.agentproc import ControllerProcess, wait_running
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 160  # the loss test: C is killed once a heartbeat journaled both at >= 3 tokens
+MAX_TOKENS = 320  # the loss test: C is killed once a heartbeat journaled both at >= 3 tokens.
+# C's workers sleep between steps (--worker-spin-seconds 0, ~100 tokens/s): at the 0.02 s spin
+# 160 tokens took ~0.6 s and, on a slow CI machine, ended between two 0.5-s heartbeats — the
+# controller then found nothing to recover. 320 at C's pace last ~3 s, six heartbeats.
 # The drain must reach all three while they decode, and this test's own process must keep up
 # with their streams. At the workers' 0.02 s spin the tiny model decodes ~290 tokens/s per
 # request on an idle 2-core machine: three streams then kept the test process's one thread busy
@@ -60,7 +63,7 @@ def stack(request, tiny_model, artifacts_dir, reaper):
                          extra=["--no-world-changes", *reg])
         # only with the loss test selected: left alive, C could be a target of the drain tests
         c = (AgentProcess(tiny_model, tp=1, pp=1, log_dir=artifacts_dir, node="drain-c",
-                          extra=["--no-world-changes", *reg])
+                          extra=["--no-world-changes", *reg], worker_spin=0)
              if any(i.name == LOSS_TEST for i in request.session.items) else None)
         agents = [x for x in (a, b, c) if x is not None]
         try:
