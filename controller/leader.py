@@ -37,6 +37,7 @@ def _raise_if_cancelling() -> None:
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
 
+
 _ACQUIRE = """
 -- KEYS: leader, term;  ARGV: id, address, ttl_ms
 local cur = redis.call('GET', KEYS[1])
