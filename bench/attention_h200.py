@@ -389,8 +389,8 @@ def apply_rope(x, cos, sin):
 
 
 class LlamaLayer:
-    def __init__(self, hidden, heads, kv_heads, inter, dtype, device):
-        d = hidden // heads
+    def __init__(self, hidden, heads, kv_heads, inter, dtype, device, head_dim=None):
+        d = head_dim or hidden // heads  # a TP shard keeps the head size: heads / TP of them
         self.hidden, self.heads, self.kv_heads, self.d, self.inter = hidden, heads, kv_heads, d, inter
         s = 0.02
         self.w_qkv = randn(((heads + 2 * kv_heads) * d, hidden), dtype, device, s)
@@ -850,20 +850,40 @@ class Bench:
 
     # -- layer stack
     def layer(self, alive):
+        """A stack of decoder layers of one TP rank's shard (per --layer-model, --layer-tp,
+        --layer-count; the default: 4 x Llama-2-7B at TP 1), for each TP degree in turn."""
+        a = self.args
+        if a.quick or not a.layer_model:
+            L = dict(self.spec["layer"])
+            model = "Llama-2-7B" if not a.quick else "tiny"
+        else:
+            hq, hkv, hid, inter = MODELS[a.layer_model]
+            L = dict(hidden=hid, heads=hq, kv_heads=hkv, inter=inter, layers=4)
+            model = a.layer_model
+        if a.layer_count:
+            L["layers"] = a.layer_count
+        self.result["layer_config"] = dict(model=model, **L, tps=a.layer_tp,
+                                           head_dim=HEAD_DIM if not a.quick else L["hidden"] // L["heads"],
+                                           dtype="bf16",
+                                           note="random weights; eager torch ops (F.rms_norm, F.linear, "
+                                                "rotate-half RoPE, SDPA default backend, silu*mul); "
+                                                "one TP rank's shard: heads, KV heads (at least 1) and "
+                                                "the MLP width divided by TP, no all-reduce")
+        for tp in (int(x) for x in str(a.layer_tp).split(",")):
+            shard = dict(L, heads=L["heads"] // tp, kv_heads=max(1, L["kv_heads"] // tp),
+                         inter=L["inter"] // tp)
+            self._layer_stack(alive, model, tp, shard)
+
+    def _layer_stack(self, alive, model, tp, L):
         dev, dt, sp = self.device, self.dtype, self.spec
-        L = sp["layer"]
         hid, hq, hkv, inter, nl = L["hidden"], L["heads"], L["kv_heads"], L["inter"], L["layers"]
-        d = hid // hq
+        d = HEAD_DIM if not self.args.quick else hid // self.spec["layer"]["heads"]
         torch.manual_seed(0)
-        layers = [LlamaLayer(hid, hq, hkv, inter, dt, dev) for _ in range(nl)]
-        model = "Llama-2-7B" if not self.args.quick else "tiny"
+        layers = [LlamaLayer(hid, hq, hkv, inter, dt, dev, head_dim=d) for _ in range(nl)]
         max_pos = max([s for _, s in sp["layer_prefill"]] + [c + 1 for _, c in sp["layer_decode"]])
         cos_all, sin_all = rope_tables(max_pos, d, dev, dt)
         cases = [("prefill", b, s, None) for b, s in sp["layer_prefill"]] + \
                 [("decode", b, 1, c) for b, c in sp["layer_decode"]]
-        self.result["layer_config"] = dict(model=model, **L, head_dim=d, dtype="bf16",
-                                           note="random weights; eager torch ops (F.rms_norm, F.linear, "
-                                                "rotate-half RoPE, SDPA default backend, silu*mul)")
         for phase, b, s, ctx in cases:
             if not alive():
                 self.result["skipped"].append(f"layer {phase} b{b} s{s} ctx{ctx}: time")
@@ -886,8 +906,8 @@ class Bench:
                 tokens = b * s
                 shape = f"{nl}x[h{hid},q{hq},kv{hkv},i{inter}]"
                 st = self.timer.time(fwd)
-                self._layer_row("layer_stack_eager", model, 1, phase, b, s, ctx or s, tokens, shape, st)
-                msg = f"layer {phase} b{b} s{s} ctx{ctx}: eager {st['median_ms']:.3f} ms"
+                self._layer_row("layer_stack_eager", model, tp, phase, b, s, ctx or s, tokens, shape, st)
+                msg = f"layer {model} tp{tp} {phase} b{b} s{s} ctx{ctx}: eager {st['median_ms']:.3f} ms"
                 if self.device.type == "cuda":
                     # host time of one eager forward (launch-bound or not)
                     t0 = time.perf_counter()
@@ -912,7 +932,7 @@ class Bench:
                         self.timer.sync()
                         gerr = rel_err(out_static, ref.float())
                         stg = self.timer.time(g.replay)
-                        self._layer_row("layer_stack_graph", model, 1, phase, b, s, ctx or s, tokens, shape, stg)
+                        self._layer_row("layer_stack_graph", model, tp, phase, b, s, ctx or s, tokens, shape, stg)
                         self.result.setdefault("layer_graph_check", {})[f"{phase} b{b} s{s} ctx{ctx}"] = gerr
                         msg += f", graph {stg['median_ms']:.3f} ms (graph vs eager rel err {gerr:.1e})"
                         del g, out_static
@@ -929,7 +949,7 @@ class Bench:
                         kk, vv = caches[0]
                         sta = self.timer.time(lambda: F.scaled_dot_product_attention(qq, kk, vv))
                         self.result["default_choice"][f"layer decode b{b} ctx{ctx}"] = default_choice(qq, kk, vv)
-                    self._layer_row("layer_attention_default", model, 1, phase, b, s, (ctx + 1) if ctx else s,
+                    self._layer_row("layer_attention_default", model, tp, phase, b, s, (ctx + 1) if ctx else s,
                                     tokens, f"q{hq},kv{hkv},d{d}", sta)
                     msg += f"; attention alone {sta['median_ms']:.3f} ms/layer; eager host {host_ms:.3f} ms"
                 log(msg)
@@ -1022,7 +1042,8 @@ class Bench:
     def write(self):
         out = Path(self.args.out)
         out.mkdir(parents=True, exist_ok=True)
-        tag = "h200" if self.device.type == "cuda" else "cpu"
+        tag = self.args.tag or ("cpu" if self.device.type != "cuda" else
+                                ("h100" if "H100" in torch.cuda.get_device_name() else "h200"))
         self.result["attention"] = self.att_rows
         self.result["layer_stack"] = self.layer_rows
         self.result["command"] = " ".join(sys.argv)
@@ -1098,10 +1119,10 @@ def summary_md(r):
     lrows = [x for x in r.get("layer_stack", []) if x["what"].startswith("layer_")]
     if lrows:
         lines += ["", f"## Layer stack ({r.get('layer_config', {})})", "",
-                  "| what | phase | batch | q_len | context | tokens | median ms | p10 | p90 |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| what | tp | phase | batch | q_len | context | tokens | median ms | p10 | p90 |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for x in lrows:
-            lines.append(f"| {x['what']} | {x['phase']} | {x['batch']} | {x['q_len']} | {x['context']} | "
+            lines.append(f"| {x['what']} | {x['tp']} | {x['phase']} | {x['batch']} | {x['q_len']} | {x['context']} | "
                          f"{x['tokens']} | {x['median_ms']:.3f} | {x['p10_ms']:.3f} | {x['p90_ms']:.3f} |")
     orows = [x for x in r.get("layer_stack", []) if x["what"].startswith("op:")]
     if orows:
@@ -1138,6 +1159,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--sections", default="all",
                     help="comma list of ceilings,check,layer,ops,decode,prefill,chunk,paged,flex")
+    ap.add_argument("--layer-model", default="", choices=["", *MODELS],
+                    help="the layer stack's model shape (default: the Llama-2-7B stack)")
+    ap.add_argument("--layer-tp", default="1", help="comma list of TP degrees: one rank's shard each")
+    ap.add_argument("--layer-count", type=int, default=0, help="layers in the stack (default 4)")
+    ap.add_argument("--tag", default="", help="output name tag (default: h100 / h200 from the GPU, cpu)")
     for name, default in [("layer", 60), ("ops", 45), ("decode", 130), ("prefill", 80), ("chunk", 50),
                           ("paged", 60), ("flex", 150)]:
         ap.add_argument(f"--cap-{name}", type=float, default=default, help=f"seconds for {name}")
