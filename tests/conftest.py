@@ -78,12 +78,12 @@ def remp_credentials(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- gRPC kept up
-# Every gRPC channel holds gRPC's global state (grpc_init); when the last one goes, the process
-# shuts gRPC down, and the next channel starts it again. The tests open a channel per call, so a
-# run did that thousands of times — and a channel's close can then stop gRPC's event engine
-# while holding the GIL, a deadlock that froze the whole test process (grpc/grpc#42247: CI sat
-# 80 minutes with nothing printed, pytest-timeout's signal never handled). One idle channel,
-# never connected, open for the whole run keeps gRPC up between calls.
+# Every gRPC channel holds gRPC's global state (grpc_init); when the last one goes, gRPC shuts
+# down in a thread of its own under its init lock, and the next channel's grpc_init waits for
+# that lock holding the GIL: wherever the shut-down needs the GIL (grpc/grpc#42247 shows one
+# way), the whole process freezes, and no signal handler runs. The tests open a channel per
+# call, thousands of such cycles a run; CI once sat 80 minutes in one test with nothing
+# printed, which fits this. One idle channel, never connected, open for the whole run keeps gRPC up.
 _GRPC_KEPT_UP = grpc.insecure_channel("127.0.0.1:9")
 
 
