@@ -52,7 +52,7 @@ from typing import Protocol
 
 import numpy as np
 
-from remp.topology import Topology
+from remp.topology import ModelShape, Topology, candidate_topologies
 
 PERFDATA = Path(__file__).resolve().parent / "perfdata"
 VIDUR_DIR = PERFDATA / "vidur" / "h100"
@@ -547,16 +547,19 @@ class PerfModel:
         return 0.4 + self.weights_per_rank_bytes(dst) / 25e9
 
 
-def topologies(max_world: int = 8, layers: int | None = None) -> tuple[Topology, ...]:
-    """The topologies a remp agent on a ``max_world``-GPU host registers: TP in {1, 2, 4, 8} (the
-    degrees Vidur measured) and PP any degree that divides ``layers`` (remp's planners need whole
-    layers per stage; any PP when ``layers`` is None), world size at most ``max_world`` (a world
-    that does not divide the host's runs too: its groups are laid out over the active ranks). By
-    world size, then TP descending: 32-layer models get world sizes 1, 2, 4, 8; 80-layer ones
-    (Llama-2/3-70B) also world 5 (TP1PP5)."""
-    out = [Topology(tp, pp) for tp in (1, 2, 4, 8) for pp in range(1, max_world // tp + 1)
-           if layers is None or layers % pp == 0]
-    return tuple(sorted(out, key=lambda t: (t.world_size, -t.tp)))
+VIDUR_TPS = (1, 2, 4, 8)  # the TP degrees Vidur measured
+
+
+def topologies(spec: ModelSpec, max_world: int = 8) -> tuple[Topology, ...]:
+    """The topologies a remp agent on a ``max_world``-GPU host registers for ``spec``
+    (``remp.topology.candidate_topologies``: TP divides the heads and KV heads, PP the layers,
+    world at most the host's; a world that does not divide the host's runs too, its groups laid
+    out over the active ranks), limited to the TP degrees Vidur measured. By world size, then TP
+    descending: 32-layer models get world sizes 1, 2, 4, 8; 80-layer ones (Llama-2/3-70B) also
+    world 5 (TP1PP5)."""
+    shape = ModelShape(num_layers=spec.layers, num_attention_heads=spec.heads,
+                       num_kv_heads=spec.kv_heads, hidden_size=spec.hidden, head_size=spec.head_dim)
+    return tuple(t for t in candidate_topologies(shape, max_world) if t.tp in VIDUR_TPS)
 
 
 # ============================================================================================
@@ -583,7 +586,7 @@ def build_profile(model: str, gpu: str, attention_csv: Path | str | None = None)
     pm = PerfModel(spec, g, attn)
     curves = []
     fracs = np.concatenate([np.linspace(0.0, 0.9, 31), np.linspace(0.92, 0.995, 6)])
-    for topo in topologies(8, spec.layers):
+    for topo in topologies(spec, 8):
         if not pm.fits(topo):
             continue
         cap = pm.capacity_rps(topo)

@@ -98,13 +98,15 @@ def test_builtin_profiles_load_and_round_trip():
     assert "h100x8-llama2-70b" in names and "h200x8-llama2-7b" in names
     p = load_profile("h100x8-llama2-7b")
     assert {t.world_size for t in p.topologies} == {1, 2, 4, 8}
-    assert len(p.topologies) == len(topologies(8, 32))
+    assert len(p.topologies) == len(topologies(LLAMA2_7B))
     # what an agent on 8 GPUs registers: PP divides the layers (any world up to the host's), so
     # an 80-layer model gets PP5 (world 5, between half and the whole host); never a split layer
     big = load_profile("h100x8-llama2-70b")
     assert Topology(1, 5) in big.topologies and {t.world_size for t in big.topologies} == {4, 5, 8}
     assert all(80 % t.pp == 0 and t.tp in (1, 2, 4, 8) for t in big.topologies)
-    assert Topology(2, 3) not in topologies(8, 80) and Topology(1, 3) in topologies(8, None)
+    assert Topology(2, 3) not in topologies(LLAMA2_70B) and Topology(1, 3) not in topologies(LLAMA2_70B)
+    assert [t for t in topologies(LLAMA2_7B) if t.world_size == 8] == [Topology(8, 1), Topology(4, 2),
+                                                                      Topology(2, 4), Topology(1, 8)]
     q = Profile.from_json(p.to_json())
     assert q.topologies == p.topologies and q.default_slo == p.default_slo
     assert all(np.all(np.diff(c.load_rps) > 0) for c in p.curves)
