@@ -85,9 +85,10 @@ def compare(run_dir: Path, gpu: str) -> dict:
                        ops_plus_measured_attention_err=round(with_measured / measured - 1, 4))
         out.append(row)
     env = meta.get("env", {})
+    source = PerfModel(MODELS[out[0]["model"]], GPUS[gpu]).attn.name if out else ""
     return dict(date=env.get("date_utc", ""), gpu=env.get("gpu", ""), profile_gpu=gpu,
-                attention_source=PerfModel(MODELS[out[0]["model"]], GPUS[gpu]).attn.name if out else "",
-                command=meta.get("command", ""), layer_config=cfg, rows=out)
+                attention_source=source, command=meta.get("command", ""), layer_config=cfg,
+                rows=out)
 
 
 def table_md(res: dict) -> str:
@@ -101,11 +102,12 @@ def table_md(res: dict) -> str:
     for r in res["rows"]:
         case = (f"decode b{r['batch']}, ctx {r['context']}" if r["phase"] == "decode"
                 else f"prefill {r['batch']}×{r['q_len']}")
-        alt = (f"{r['ops_plus_measured_attention_ms']:.3f} | {r['ops_plus_measured_attention_err']:+.0%}"
+        alt = (f"{r['ops_plus_measured_attention_ms']:.3f} | "
+               f"{r['ops_plus_measured_attention_err']:+.0%}"
                if "ops_plus_measured_attention_ms" in r else "– | –")
         lines.append(f"| {r['model']} | {r['tp']} | {case} | {r['layers']} | {r['graph_ms']:.3f} | "
-                     f"{r['model_ms']:.3f} ({r['model_ops_ms']:.3f} + {r['model_attention_ms']:.3f}) | "
-                     f"{r['model_err']:+.0%} | {alt} |")
+                     f"{r['model_ms']:.3f} ({r['model_ops_ms']:.3f} + "
+                     f"{r['model_attention_ms']:.3f}) | {r['model_err']:+.0%} | {alt} |")
     errs = [abs(r["model_err"]) for r in res["rows"]]
     if errs:
         lines += ["", f"|error| of the model: median {sorted(errs)[len(errs) // 2]:.0%}, "

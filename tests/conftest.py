@@ -83,7 +83,8 @@ def remp_credentials(tmp_path_factory):
 # that lock holding the GIL: wherever the shut-down needs the GIL (grpc/grpc#42247 shows one
 # way), the whole process freezes, and no signal handler runs. The tests open a channel per
 # call, thousands of such cycles a run; CI once sat 80 minutes in one test with nothing
-# printed, which fits this. One idle channel, never connected, open for the whole run keeps gRPC up.
+# printed, which fits this. One idle channel, never connected, open for the whole run, keeps
+# gRPC up.
 _GRPC_KEPT_UP = grpc.insecure_channel("127.0.0.1:9")
 
 
