@@ -862,9 +862,9 @@ class Bench:
             model = a.layer_model
         if a.layer_count:
             L["layers"] = a.layer_count
-        self.result["layer_config"] = dict(model=model, **L, tps=a.layer_tp,
-                                           head_dim=HEAD_DIM if not a.quick else L["hidden"] // L["heads"],
-                                           dtype="bf16",
+        # a TP shard keeps the head size (heads / TP of them); the quick sizes have their own
+        L["head_dim"] = HEAD_DIM if not a.quick else L["hidden"] // L["heads"]
+        self.result["layer_config"] = dict(model=model, **L, tps=a.layer_tp, dtype="bf16",
                                            note="random weights; eager torch ops (F.rms_norm, F.linear, "
                                                 "rotate-half RoPE, SDPA default backend, silu*mul); "
                                                 "one TP rank's shard: heads, KV heads (at least 1) and "
@@ -877,7 +877,7 @@ class Bench:
     def _layer_stack(self, alive, model, tp, L):
         dev, dt, sp = self.device, self.dtype, self.spec
         hid, hq, hkv, inter, nl = L["hidden"], L["heads"], L["kv_heads"], L["inter"], L["layers"]
-        d = HEAD_DIM if not self.args.quick else hid // self.spec["layer"]["heads"]
+        d = L["head_dim"]
         torch.manual_seed(0)
         layers = [LlamaLayer(hid, hq, hkv, inter, dt, dev, head_dim=d) for _ in range(nl)]
         max_pos = max([s for _, s in sp["layer_prefill"]] + [c + 1 for _, c in sp["layer_decode"]])
@@ -906,8 +906,9 @@ class Bench:
                 tokens = b * s
                 shape = f"{nl}x[h{hid},q{hq},kv{hkv},i{inter}]"
                 st = self.timer.time(fwd)
+                case = f"tp{tp} {phase} b{b} s{s} ctx{ctx}"  # key of this case's extra figures
                 self._layer_row("layer_stack_eager", model, tp, phase, b, s, ctx or s, tokens, shape, st)
-                msg = f"layer {model} tp{tp} {phase} b{b} s{s} ctx{ctx}: eager {st['median_ms']:.3f} ms"
+                msg = f"layer {model} {case}: eager {st['median_ms']:.3f} ms"
                 if self.device.type == "cuda":
                     # host time of one eager forward (launch-bound or not)
                     t0 = time.perf_counter()
@@ -915,7 +916,7 @@ class Bench:
                         fwd()
                     self.timer.sync()
                     host_ms = (time.perf_counter() - t0) / 5 * 1e3
-                    self.result.setdefault("layer_eager_wall_ms", {})[f"{phase} b{b} s{s} ctx{ctx}"] = host_ms
+                    self.result.setdefault("layer_eager_wall_ms", {})[case] = host_ms
                     try:
                         sstream = torch.cuda.Stream()
                         sstream.wait_stream(torch.cuda.current_stream())
@@ -933,7 +934,7 @@ class Bench:
                         gerr = rel_err(out_static, ref.float())
                         stg = self.timer.time(g.replay)
                         self._layer_row("layer_stack_graph", model, tp, phase, b, s, ctx or s, tokens, shape, stg)
-                        self.result.setdefault("layer_graph_check", {})[f"{phase} b{b} s{s} ctx{ctx}"] = gerr
+                        self.result.setdefault("layer_graph_check", {})[case] = gerr
                         msg += f", graph {stg['median_ms']:.3f} ms (graph vs eager rel err {gerr:.1e})"
                         del g, out_static
                     except Exception as e:  # noqa: BLE001
@@ -943,12 +944,12 @@ class Bench:
                         qq = randn((b, hq, s, d), dt, dev)
                         kk, vv = randn((b, hkv, s, d), dt, dev), randn((b, hkv, s, d), dt, dev)
                         sta = self.timer.time(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True))
-                        self.result["default_choice"][f"layer prefill b{b} s{s}"] = default_choice(qq, kk, vv, True)
+                        self.result["default_choice"][f"layer {case}"] = default_choice(qq, kk, vv, True)
                     else:
                         qq = randn((b, hq, 1, d), dt, dev)
                         kk, vv = caches[0]
                         sta = self.timer.time(lambda: F.scaled_dot_product_attention(qq, kk, vv))
-                        self.result["default_choice"][f"layer decode b{b} ctx{ctx}"] = default_choice(qq, kk, vv)
+                        self.result["default_choice"][f"layer {case}"] = default_choice(qq, kk, vv)
                     self._layer_row("layer_attention_default", model, tp, phase, b, s, (ctx + 1) if ctx else s,
                                     tokens, f"q{hq},kv{hkv},d{d}", sta)
                     msg += f"; attention alone {sta['median_ms']:.3f} ms/layer; eager host {host_ms:.3f} ms"
