@@ -63,12 +63,14 @@ def compare(run_dir: Path, gpu: str) -> dict:
              for r in rows if r["what"] == "layer_attention_default"}
     eager = {(r["tp"], r["phase"], r["batch"], r["q_len"], r["context"]): float(r["median_ms"])
              for r in rows if r["what"] == "layer_stack_eager"}
-    out = []
+    out, models = [], {}  # one PerfModel per model shape (each reads its tables)
     for r in rows:
         if r["what"] != "layer_stack_graph":
             continue
         model = NAMES[r["model"]]
-        pm = PerfModel(MODELS[model], GPUS[gpu])
+        if model not in models:
+            models[model] = PerfModel(MODELS[model], GPUS[gpu])
+        pm = models[model]
         tp, b, q, ctx = int(r["tp"]), int(r["batch"]), int(r["q_len"]), int(r["context"])
         ops, att = predict(pm, tp, r["phase"], b, q, ctx, layers)
         measured = float(r["median_ms"])
@@ -85,7 +87,7 @@ def compare(run_dir: Path, gpu: str) -> dict:
                        ops_plus_measured_attention_err=round(with_measured / measured - 1, 4))
         out.append(row)
     env = meta.get("env", {})
-    source = PerfModel(MODELS[out[0]["model"]], GPUS[gpu]).attn.name if out else ""
+    source = models[out[0]["model"]].attn.name if out else ""
     return dict(date=env.get("date_utc", ""), gpu=env.get("gpu", ""), profile_gpu=gpu,
                 attention_source=source, command=meta.get("command", ""), layer_config=cfg,
                 rows=out)
