@@ -244,13 +244,14 @@ def _num(x: float) -> float | None:
 
 
 def impact_view(r: policy_pb2.Recommendation) -> dict:
-    """What a recommendation is expected to do (policy.proto Recommendation fields 8-21)."""
+    """What a recommendation is expected to do (policy.proto Recommendation fields 8-22)."""
     return {
         "objective": r.objective, "profile": r.profile,
         "expected_saving_gpu_hours": _num(r.expected_saving_gpu_hours),
         "saving_horizon_s": _num(r.saving_horizon_seconds),
         "expected_slo_loss": _num(r.expected_slo_loss), "overload_risk": _num(r.overload_risk),
         "gpus": r.gpus, "host_gpus": r.host_gpus, "released_gpus": list(r.released_gpus),
+        "unreleased_gpus": list(r.unreleased_gpus),
         "error_budget_requests": _num(r.error_budget_requests),
         "expected_tpot_saving_ms": _num(r.expected_tpot_saving_ms),
         "forecaster": r.forecaster, "forecast_rps": _num(r.forecast_rps),

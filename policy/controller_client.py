@@ -54,10 +54,13 @@ def switch_result(r) -> SwitchResult:
 
 
 def node_view(st: controller_pb2.NodeState) -> NodeView:
+    parked = [w for w in st.workers if w.state == types_pb2.WORKER_STATE_STANDBY]
     return NodeView(st.node, _topo(st.observed),
                     tuple(t for t in (_topo(c) for c in st.candidates) if t is not None),
                     _HEALTH.get(st.health, "unknown") if not st.HasField("current_switch")
-                    else "switching", st.recommendation, st.rollout_id)
+                    else "switching", st.recommendation, st.rollout_id,
+                    released=tuple(sorted(w.rank for w in parked if w.released)),
+                    unreleased=tuple(sorted(w.rank for w in parked if not w.released)))
 
 
 def sample_of(t: types_pb2.TrafficSample) -> Sample:

@@ -220,7 +220,9 @@ class ScaleDecision:
     current: Topology
     recommended: Topology
     switch: bool
-    reason: str  # scale-up | scale-down | lower-latency | stay | hold-dwell | hold-budget | hold-saving
+    # scale-up | scale-down | lower-latency | stay | hold-dwell | hold-budget | hold-saving, and
+    # (the live service only) hold-unreleased
+    reason: str
     text: str
     need_rps: float
     capacity_rps: float  # SLO capacity of the recommended topology

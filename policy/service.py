@@ -89,6 +89,11 @@ class NodeView:
     health: str  # ready | switching | lost | unknown
     recommendation: str = ""
     rollout_id: str = ""  # the active rollout holding the node ("" when none)
+    # STANDBY ranks as the agent's last heartbeat reports them (measured by the workers; empty
+    # before the first report and while every rank is active): released, or not released — still
+    # holding weights, KV or device memory (a runner kept by --cache-runners).
+    released: tuple[int, ...] = ()
+    unreleased: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -337,10 +342,14 @@ class Impact:
     overload_risk: float  # share of forecast scenarios above its SLO capacity next window
     error_budget: float  # requests left of the day's SLO error budget (NaN: not counted)
     expected_tpot_saving_ms: float = 0.0  # latency: TPOT vs the current topology
+    # of released_gpus, the ranks expected to keep their memory when parked: the node's last
+    # report showed parked ranks that were not released (measured); not counted as saved
+    unreleased_gpus: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["released_gpus"] = list(self.released_gpus)
+        d["unreleased_gpus"] = list(self.unreleased_gpus)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                 for k, v in d.items()}
 
@@ -348,11 +357,15 @@ class Impact:
     def from_json(cls, d: dict[str, Any]) -> "Impact":
         f = {k: (math.nan if v is None else v) for k, v in d.items()}
         f["released_gpus"] = tuple(int(x) for x in d.get("released_gpus") or ())
+        f["unreleased_gpus"] = tuple(int(x) for x in d.get("unreleased_gpus") or ())
         return cls(**f)
 
     def line(self) -> str:
         rel = (f"releases GPU{'s' if len(self.released_gpus) > 1 else ''} "
                f"{_ranges(self.released_gpus)}" if self.released_gpus else "whole host")
+        if self.unreleased_gpus:
+            rel += (f" (parked, not released: {_ranges(self.unreleased_gpus)} keep their memory, "
+                    f"as the node's parked ranks did)")
         return (f"objective {self.objective}; {self.gpus}/{self.host_gpus} GPUs, {rel}; saves "
                 f"{self.expected_saving_gpu_hours:.3g} GPU-h vs the whole host over "
                 f"{self.saving_horizon_s / 60:.0f} min; expected SLO loss "
@@ -367,8 +380,11 @@ def _ranges(xs: Sequence[int]) -> str:
 
 def impact_of(table: CapacityTable, objective: str, current: Topology, target: Topology,
               host_gpus: int, band: Band, recent: np.ndarray, cfg: ScaleConfig,
-              budget: float) -> tuple[Impact, tuple[ScaleCandidate, ...]]:
-    """The impact of choosing ``target`` now, and per-candidate numbers (pure)."""
+              budget: float, keeps_parked: bool = False
+              ) -> tuple[Impact, tuple[ScaleCandidate, ...]]:
+    """The impact of choosing ``target`` now, and per-candidate numbers (pure).
+    ``keeps_parked``: the node's last worker report showed parked ranks still holding memory, so
+    the ranks ``target`` parks are expected to keep theirs too and save nothing."""
     sc, W = table.scorer, band.window_s
     x, wt = load_samples(band, recent, cfg.recent_weight)
     x = np.maximum(np.nan_to_num(x), 0.0)
@@ -398,9 +414,11 @@ def impact_of(table: CapacityTable, objective: str, current: Topology, target: T
     tpot = 0.0
     if objective == "latency" and target in sc.curves and current in sc.curves:
         tpot = (table.tpot_s(current, rate0) - table.tpot_s(target, rate0)) * 1e3
-    imp = Impact(objective, table.profile.name, host_gpus, gpus,
-                 tuple(range(gpus, host_gpus)), (host_gpus - gpus) * run * W / 3600.0, run * W,
-                 loss(target) if target in sc.curves else math.nan, risk, budget, tpot)
+    parked = tuple(range(gpus, host_gpus))
+    kept = parked if keeps_parked else ()
+    imp = Impact(objective, table.profile.name, host_gpus, gpus, parked,
+                 (host_gpus - gpus - len(kept)) * run * W / 3600.0, run * W,
+                 loss(target) if target in sc.curves else math.nan, risk, budget, tpot, kept)
     return imp, tuple(cands)
 
 
@@ -601,6 +619,9 @@ class _Node:
     problem: str = ""
     history: deque = field(default_factory=deque)  # Window, oldest first (the last day)
     scale_state: PolicyState | None = None  # gpu-hours / latency: current, switch times
+    # the node's parked ranks keep their memory (the last report that showed parked ranks had
+    # one not released): remembered while every rank is active, as --cache-runners is for life
+    keeps_parked: tuple[int, ...] = ()
 
 
 class PolicyService:
@@ -752,6 +773,10 @@ class PolicyService:
                       history=deque(maxlen=self.history_keep))
             self.nodes[v.name] = n
         n.view = v
+        if v.unreleased:
+            n.keeps_parked = v.unreleased
+        elif v.released:
+            n.keeps_parked = ()
         return n
 
     async def _fetch(self, n: _Node, now: float) -> None:
@@ -874,8 +899,14 @@ class PolicyService:
         if sd.recommended not in topos:  # never recommend what the node cannot take
             sd = replace(sd, recommended=cur, switch=False, reason="stay",
                          text=f"{sd.recommended} is not a candidate of this node; staying")
+        keeps = bool(n.keeps_parked)
+        if keeps and sd.reason == "scale-down":  # fewer GPUs would free none: no saving to take
+            sd = replace(sd, recommended=cur, switch=False, reason="hold-unreleased",
+                         text=f"{sd.text}; held: the node's parked ranks "
+                              f"{_ranges(n.keeps_parked)} were not released (they kept their "
+                              f"memory, e.g. --cache-runners), so parking ranks frees no GPU")
         imp, cands = impact_of(table, cfg.objective, cur, sd.recommended, self._host_gpus(n),
-                               band, inp.recent, cfg, inp.error_budget)
+                               band, inp.recent, cfg, inp.error_budget, keeps)
         mean0 = float(band.mean[0]) if len(band.mean) else math.nan
         return ObjectiveDecision(sd, fc.forecaster, mean0, cands), imp
 
@@ -1215,6 +1246,7 @@ def _impact_fields(rec: DecisionRecord) -> dict[str, Any]:
         return {}
     return {"objective": i.objective, "profile": i.profile, "gpus": i.gpus,
             "host_gpus": i.host_gpus, "released_gpus": list(i.released_gpus),
+            "unreleased_gpus": list(i.unreleased_gpus),
             "expected_saving_gpu_hours": round(i.expected_saving_gpu_hours, 4),
             "saving_horizon_s": i.saving_horizon_s,
             "expected_slo_loss": round(i.expected_slo_loss, 6) if math.isfinite(

@@ -46,6 +46,7 @@ def recommendation_to_proto(rec: DecisionRecord) -> policy_pb2.Recommendation:
         r.expected_slo_loss, r.overload_risk = i.expected_slo_loss, i.overload_risk
         r.gpus, r.host_gpus = i.gpus, i.host_gpus
         r.released_gpus.extend(i.released_gpus)
+        r.unreleased_gpus.extend(i.unreleased_gpus)
         r.error_budget_requests = i.error_budget
         r.expected_tpot_saving_ms = i.expected_tpot_saving_ms
     return r

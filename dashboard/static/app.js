@@ -484,6 +484,8 @@ function recText(node, r, err) {
       `${num((r.saving_horizon_s || 0) / 60, 0)} min`;
   return `${node}: ${r.current} → ${r.recommended}${r.switch ? "" : " (stay)"} · ` +
     `${r.gpus}/${r.host_gpus} GPUs` + (r.released_gpus.length ? `, releases ${r.released_gpus.join(", ")}` : "") +
+    ((r.unreleased_gpus || []).length
+      ? ` (not freed: ${r.unreleased_gpus.join(", ")} keep their memory when parked)` : "") +
     ` · ${saving} · expected SLO loss ${num((r.expected_slo_loss || 0) * 100, 2)} % · ` +
     `objective ${r.objective || "—"}, profile ${r.profile || "—"}` + (r.decision_id ? ` · ${r.decision_id}` : "");
 }

@@ -179,6 +179,60 @@ async def test_auto_releases_gpus_then_scales_up_at_once():
     assert svc.nodes["n1"].scale_state.switch_times_s == (1060.0, 1082.0)
 
 
+async def test_parked_ranks_that_keep_their_memory_save_nothing_and_hold_the_next_scale_down():
+    """The agents report what each parked rank holds (NodeState.workers). A node whose parked rank
+    kept its memory (e.g. --cache-runners) is not credited with a saving, and once it is back on
+    the whole host the policy does not park ranks again to free no GPU (a scale-up is never held:
+    its decision is unchanged)."""
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = service(ctl, mode="auto")
+    ctl.push("n1", 0.3, 1000, 1060)
+    await svc.tick(1025.0)
+    (down,) = await svc.tick(1060.0)
+    assert down.decision.recommended == TP1PP1 and down.impact.expected_saving_gpu_hours > 0
+    assert down.impact.unreleased_gpus == ()  # nothing was reported parked yet
+    # the agent's next heartbeat: rank 1 is STANDBY but still holds its runner
+    ctl.views["n1"] = replace(ctl.views["n1"], unreleased=(1,))
+    ctl.push("n1", 0.3, 1060, 1070)
+    (stay,) = await svc.tick(1070.0)
+    assert stay.decision.recommended == TP1PP1 and not stay.decision.switch
+    i = stay.impact
+    assert (i.released_gpus, i.unreleased_gpus, i.expected_saving_gpu_hours) == ((1,), (1,), 0)
+    assert "not released: 1 keep their memory" in i.line()
+    assert list(recommendation_to_proto(stay).unreleased_gpus) == [1]
+    # an operator switches it back to the whole host: every rank active, none reported parked
+    ctl.views["n1"] = replace(ctl.views["n1"], observed=TP2PP1, unreleased=())
+    # still quiet, long past the dwell: the scale-down it would take is held, saying why
+    ctl.push("n1", 0.3, 1070, 1400)
+    recs = [await svc.tick(t) for t in range(1080, 1401, 10)]
+    held = [r for (r,) in recs if r.decision.reason == "hold-unreleased"]
+    assert held and not any(r.decision.switch for (r,) in recs)
+    assert "parked ranks 1 were not released" in held[-1].decision.text
+    assert held[-1].impact.expected_saving_gpu_hours == 0
+    assert ctl.views["n1"].observed.world_size == 2
+    # a later report shows a parked rank released (the cache let go): scale-downs resume
+    ctl.views["n1"] = replace(ctl.views["n1"], released=(1,))
+    ctl.push("n1", 0.3, 1400, 1410)
+    (again,) = await svc.tick(1410.0)
+    assert again.decision.reason == "scale-down" and again.decision.recommended == TP1PP1
+
+
+def test_node_view_reads_which_parked_ranks_the_agent_reported_released():
+    from policy.controller_client import node_view
+    from remp.common.v1 import types_pb2
+    from remp.controller.v1 import controller_pb2
+    S, A = types_pb2.WORKER_STATE_STANDBY, types_pb2.WORKER_STATE_ACTIVE
+    st = controller_pb2.NodeState(node="n1", workers=[
+        types_pb2.WorkerInfo(rank=0, state=A),
+        types_pb2.WorkerInfo(rank=3, state=S, released=True),
+        types_pb2.WorkerInfo(rank=1, state=S, model_bytes=7),
+        types_pb2.WorkerInfo(rank=2, state=S)])
+    v = node_view(st)
+    assert (v.released, v.unreleased) == ((3,), (1, 2))
+    assert (node_view(controller_pb2.NodeState(node="n1")).released, v.name) == ((), "n1")
+
+
 async def test_auto_commits_a_switch_only_once_it_succeeds():
     """The controller answers Reconfigure before the agent has switched: the policy follows the
     switch (GetSwitch) and commits its state, dwell and budget only on SUCCEEDED — in the same

@@ -26,15 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from remp.common.v1 import types_pb2 as remp_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bremp/policy/v1/policy.proto\x12\x0eremp.policy.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1aremp/common/v1/types.proto\";\n\x12GetForecastRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x17\n\x0fhorizon_seconds\x18\x02 \x01(\x01\"r\n\rForecastPoint\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x13requests_per_second\x18\x02 \x01(\x01\x12\r\n\x05lower\x18\x03 \x01(\x01\x12\r\n\x05upper\x18\x04 \x01(\x01\"\xa2\x01\n\x08\x46orecast\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nforecaster\x18\x02 \x01(\t\x12-\n\x06points\x18\x03 \x03(\x0b\x32\x1d.remp.policy.v1.ForecastPoint\x12/\n\x08observed\x18\x04 \x03(\x0b\x32\x1d.remp.common.v1.TrafficSample\x12\x14\n\x0c\x62\x61\x63ktest_mae\x18\x05 \x01(\x01\"(\n\x18GetRecommendationRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xbd\x01\n\x0e\x43\x61ndidateScore\x12*\n\x08topology\x18\x01 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x18\n\x10\x65xpected_goodput\x18\x02 \x01(\x01\x12\x13\n\x0bswitch_cost\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x19\n\x11\x65xpected_slo_loss\x18\x05 \x01(\x01\x12\x18\n\x10slo_capacity_rps\x18\x06 \x01(\x01\x12\x0c\n\x04gpus\x18\x07 \x01(\r\"\xc0\x04\n\x0eRecommendation\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12-\n\x0brecommended\x18\x03 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x0e\n\x06switch\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12.\n\x06scores\x18\x06 \x03(\x0b\x32\x1e.remp.policy.v1.CandidateScore\x12&\n\x02\x61t\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tobjective\x18\x08 \x01(\t\x12\x0f\n\x07profile\x18\t \x01(\t\x12!\n\x19\x65xpected_saving_gpu_hours\x18\n \x01(\x01\x12\x1e\n\x16saving_horizon_seconds\x18\x0b \x01(\x01\x12\x19\n\x11\x65xpected_slo_loss\x18\x0c \x01(\x01\x12\x15\n\roverload_risk\x18\r \x01(\x01\x12\x0c\n\x04gpus\x18\x0e \x01(\r\x12\x11\n\thost_gpus\x18\x0f \x01(\r\x12\x15\n\rreleased_gpus\x18\x10 \x03(\r\x12\x1d\n\x15\x65rror_budget_requests\x18\x11 \x01(\x01\x12\x1f\n\x17\x65xpected_tpot_saving_ms\x18\x12 \x01(\x01\x12\x12\n\nforecaster\x18\x13 \x01(\t\x12\x14\n\x0c\x66orecast_rps\x18\x14 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x15 \x01(\t\"B\n\x0eSetModeRequest\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.remp.policy.v1.Mode\x12\x0c\n\x04node\x18\x02 \x01(\t\"5\n\x0fSetModeResponse\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.remp.policy.v1.Mode\"K\n\x14ListDecisionsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\x96\x01\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\t\x12\x36\n\x0erecommendation\x18\x02 \x01(\x0b\x32\x1e.remp.policy.v1.Recommendation\x12\"\n\x04mode\x18\x03 \x01(\x0e\x32\x14.remp.policy.v1.Mode\x12\x11\n\tswitch_id\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\"]\n\x15ListDecisionsResponse\x12+\n\tdecisions\x18\x01 \x03(\x0b\x32\x18.remp.policy.v1.Decision\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*L\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_OFF\x10\x01\x12\x11\n\rMODE_ADVISORY\x10\x02\x12\r\n\tMODE_AUTO\x10\x03\x32\xde\x02\n\x06Policy\x12K\n\x0bGetForecast\x12\".remp.policy.v1.GetForecastRequest\x1a\x18.remp.policy.v1.Forecast\x12]\n\x11GetRecommendation\x12(.remp.policy.v1.GetRecommendationRequest\x1a\x1e.remp.policy.v1.Recommendation\x12J\n\x07SetMode\x12\x1e.remp.policy.v1.SetModeRequest\x1a\x1f.remp.policy.v1.SetModeResponse\x12\\\n\rListDecisions\x12$.remp.policy.v1.ListDecisionsRequest\x1a%.remp.policy.v1.ListDecisionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bremp/policy/v1/policy.proto\x12\x0eremp.policy.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1aremp/common/v1/types.proto\";\n\x12GetForecastRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x17\n\x0fhorizon_seconds\x18\x02 \x01(\x01\"r\n\rForecastPoint\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x13requests_per_second\x18\x02 \x01(\x01\x12\r\n\x05lower\x18\x03 \x01(\x01\x12\r\n\x05upper\x18\x04 \x01(\x01\"\xa2\x01\n\x08\x46orecast\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nforecaster\x18\x02 \x01(\t\x12-\n\x06points\x18\x03 \x03(\x0b\x32\x1d.remp.policy.v1.ForecastPoint\x12/\n\x08observed\x18\x04 \x03(\x0b\x32\x1d.remp.common.v1.TrafficSample\x12\x14\n\x0c\x62\x61\x63ktest_mae\x18\x05 \x01(\x01\"(\n\x18GetRecommendationRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xbd\x01\n\x0e\x43\x61ndidateScore\x12*\n\x08topology\x18\x01 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x18\n\x10\x65xpected_goodput\x18\x02 \x01(\x01\x12\x13\n\x0bswitch_cost\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x19\n\x11\x65xpected_slo_loss\x18\x05 \x01(\x01\x12\x18\n\x10slo_capacity_rps\x18\x06 \x01(\x01\x12\x0c\n\x04gpus\x18\x07 \x01(\r\"\xd9\x04\n\x0eRecommendation\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12-\n\x0brecommended\x18\x03 \x01(\x0b\x32\x18.remp.common.v1.Topology\x12\x0e\n\x06switch\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12.\n\x06scores\x18\x06 \x03(\x0b\x32\x1e.remp.policy.v1.CandidateScore\x12&\n\x02\x61t\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tobjective\x18\x08 \x01(\t\x12\x0f\n\x07profile\x18\t \x01(\t\x12!\n\x19\x65xpected_saving_gpu_hours\x18\n \x01(\x01\x12\x1e\n\x16saving_horizon_seconds\x18\x0b \x01(\x01\x12\x19\n\x11\x65xpected_slo_loss\x18\x0c \x01(\x01\x12\x15\n\roverload_risk\x18\r \x01(\x01\x12\x0c\n\x04gpus\x18\x0e \x01(\r\x12\x11\n\thost_gpus\x18\x0f \x01(\r\x12\x15\n\rreleased_gpus\x18\x10 \x03(\r\x12\x1d\n\x15\x65rror_budget_requests\x18\x11 \x01(\x01\x12\x1f\n\x17\x65xpected_tpot_saving_ms\x18\x12 \x01(\x01\x12\x12\n\nforecaster\x18\x13 \x01(\t\x12\x14\n\x0c\x66orecast_rps\x18\x14 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x15 \x01(\t\x12\x17\n\x0funreleased_gpus\x18\x16 \x03(\r\"B\n\x0eSetModeRequest\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.remp.policy.v1.Mode\x12\x0c\n\x04node\x18\x02 \x01(\t\"5\n\x0fSetModeResponse\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.remp.policy.v1.Mode\"K\n\x14ListDecisionsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\x96\x01\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\t\x12\x36\n\x0erecommendation\x18\x02 \x01(\x0b\x32\x1e.remp.policy.v1.Recommendation\x12\"\n\x04mode\x18\x03 \x01(\x0e\x32\x14.remp.policy.v1.Mode\x12\x11\n\tswitch_id\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\"]\n\x15ListDecisionsResponse\x12+\n\tdecisions\x18\x01 \x03(\x0b\x32\x18.remp.policy.v1.Decision\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*L\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_OFF\x10\x01\x12\x11\n\rMODE_ADVISORY\x10\x02\x12\r\n\tMODE_AUTO\x10\x03\x32\xde\x02\n\x06Policy\x12K\n\x0bGetForecast\x12\".remp.policy.v1.GetForecastRequest\x1a\x18.remp.policy.v1.Forecast\x12]\n\x11GetRecommendation\x12(.remp.policy.v1.GetRecommendationRequest\x1a\x1e.remp.policy.v1.Recommendation\x12J\n\x07SetMode\x12\x1e.remp.policy.v1.SetModeRequest\x1a\x1f.remp.policy.v1.SetModeResponse\x12\\\n\rListDecisions\x12$.remp.policy.v1.ListDecisionsRequest\x1a%.remp.policy.v1.ListDecisionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'remp.policy.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1711
-  _globals['_MODE']._serialized_end=1787
+  _globals['_MODE']._serialized_start=1736
+  _globals['_MODE']._serialized_end=1812
   _globals['_GETFORECASTREQUEST']._serialized_start=108
   _globals['_GETFORECASTREQUEST']._serialized_end=167
   _globals['_FORECASTPOINT']._serialized_start=169
@@ -46,17 +46,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANDIDATESCORE']._serialized_start=493
   _globals['_CANDIDATESCORE']._serialized_end=682
   _globals['_RECOMMENDATION']._serialized_start=685
-  _globals['_RECOMMENDATION']._serialized_end=1261
-  _globals['_SETMODEREQUEST']._serialized_start=1263
-  _globals['_SETMODEREQUEST']._serialized_end=1329
-  _globals['_SETMODERESPONSE']._serialized_start=1331
-  _globals['_SETMODERESPONSE']._serialized_end=1384
-  _globals['_LISTDECISIONSREQUEST']._serialized_start=1386
-  _globals['_LISTDECISIONSREQUEST']._serialized_end=1461
-  _globals['_DECISION']._serialized_start=1464
-  _globals['_DECISION']._serialized_end=1614
-  _globals['_LISTDECISIONSRESPONSE']._serialized_start=1616
-  _globals['_LISTDECISIONSRESPONSE']._serialized_end=1709
-  _globals['_POLICY']._serialized_start=1790
-  _globals['_POLICY']._serialized_end=2140
+  _globals['_RECOMMENDATION']._serialized_end=1286
+  _globals['_SETMODEREQUEST']._serialized_start=1288
+  _globals['_SETMODEREQUEST']._serialized_end=1354
+  _globals['_SETMODERESPONSE']._serialized_start=1356
+  _globals['_SETMODERESPONSE']._serialized_end=1409
+  _globals['_LISTDECISIONSREQUEST']._serialized_start=1411
+  _globals['_LISTDECISIONSREQUEST']._serialized_end=1486
+  _globals['_DECISION']._serialized_start=1489
+  _globals['_DECISION']._serialized_end=1639
+  _globals['_LISTDECISIONSRESPONSE']._serialized_start=1641
+  _globals['_LISTDECISIONSRESPONSE']._serialized_end=1734
+  _globals['_POLICY']._serialized_start=1815
+  _globals['_POLICY']._serialized_end=2165
 # @@protoc_insertion_point(module_scope)

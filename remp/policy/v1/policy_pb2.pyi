@@ -81,7 +81,7 @@ class CandidateScore(_message.Message):
     def __init__(self, topology: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., expected_goodput: _Optional[float] = ..., switch_cost: _Optional[float] = ..., score: _Optional[float] = ..., expected_slo_loss: _Optional[float] = ..., slo_capacity_rps: _Optional[float] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class Recommendation(_message.Message):
-    __slots__ = ("node", "current", "recommended", "switch", "reason", "scores", "at", "objective", "profile", "expected_saving_gpu_hours", "saving_horizon_seconds", "expected_slo_loss", "overload_risk", "gpus", "host_gpus", "released_gpus", "error_budget_requests", "expected_tpot_saving_ms", "forecaster", "forecast_rps", "decision_id")
+    __slots__ = ("node", "current", "recommended", "switch", "reason", "scores", "at", "objective", "profile", "expected_saving_gpu_hours", "saving_horizon_seconds", "expected_slo_loss", "overload_risk", "gpus", "host_gpus", "released_gpus", "error_budget_requests", "expected_tpot_saving_ms", "forecaster", "forecast_rps", "decision_id", "unreleased_gpus")
     NODE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class Recommendation(_message.Message):
     FORECASTER_FIELD_NUMBER: _ClassVar[int]
     FORECAST_RPS_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    UNRELEASED_GPUS_FIELD_NUMBER: _ClassVar[int]
     node: str
     current: _types_pb2.Topology
     recommended: _types_pb2.Topology
@@ -124,7 +125,8 @@ class Recommendation(_message.Message):
     forecaster: str
     forecast_rps: float
     decision_id: str
-    def __init__(self, node: _Optional[str] = ..., current: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., recommended: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch: _Optional[bool] = ..., reason: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., objective: _Optional[str] = ..., profile: _Optional[str] = ..., expected_saving_gpu_hours: _Optional[float] = ..., saving_horizon_seconds: _Optional[float] = ..., expected_slo_loss: _Optional[float] = ..., overload_risk: _Optional[float] = ..., gpus: _Optional[int] = ..., host_gpus: _Optional[int] = ..., released_gpus: _Optional[_Iterable[int]] = ..., error_budget_requests: _Optional[float] = ..., expected_tpot_saving_ms: _Optional[float] = ..., forecaster: _Optional[str] = ..., forecast_rps: _Optional[float] = ..., decision_id: _Optional[str] = ...) -> None: ...
+    unreleased_gpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node: _Optional[str] = ..., current: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., recommended: _Optional[_Union[_types_pb2.Topology, _Mapping]] = ..., switch: _Optional[bool] = ..., reason: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., objective: _Optional[str] = ..., profile: _Optional[str] = ..., expected_saving_gpu_hours: _Optional[float] = ..., saving_horizon_seconds: _Optional[float] = ..., expected_slo_loss: _Optional[float] = ..., overload_risk: _Optional[float] = ..., gpus: _Optional[int] = ..., host_gpus: _Optional[int] = ..., released_gpus: _Optional[_Iterable[int]] = ..., error_budget_requests: _Optional[float] = ..., expected_tpot_saving_ms: _Optional[float] = ..., forecaster: _Optional[str] = ..., forecast_rps: _Optional[float] = ..., decision_id: _Optional[str] = ..., unreleased_gpus: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SetModeRequest(_message.Message):
     __slots__ = ("mode", "node")
