@@ -147,7 +147,7 @@ _last_at: dict[str, float] = {}
 
 
 def push(stub, node: str, rate: float, seconds: int, step: float = 1.0,
-         topo: tuple[int, int] = (2, 1)) -> float:
+         topo: tuple[int, int] = (2, 1), workers=()) -> float:
     """Heartbeats carrying ``seconds`` of synthetic traffic at ``rate`` req/s, continuing the
     node's synthetic timeline (the first push ends now; later ones follow on, so a sample is
     never older than the previous one)."""
@@ -159,8 +159,8 @@ def push(stub, node: str, rate: float, seconds: int, step: float = 1.0,
                                     output_tokens=8 * n)
         s.at.FromNanoseconds(int(at * 1e9))
         stub.Heartbeat(controller_pb2.HeartbeatRequest(
-            node=node, topology=types_pb2.Topology(tp=topo[0], pp=topo[1]), traffic=s), metadata=MD,
-            timeout=5)
+            node=node, topology=types_pb2.Topology(tp=topo[0], pp=topo[1]), traffic=s,
+            workers=workers), metadata=MD, timeout=5)
     _last_at[node] = start + seconds * step
     return _last_at[node]
 
@@ -253,6 +253,17 @@ async def test_gpu_hours_advises_fewer_gpus_with_saving_risk_and_profile(ctl, cs
         again = PolicyService(world_profile(), svc.controller, window_s=W, store=store)
         await again.start()
         assert {x.id: x for x in again.decisions}[rec.id].impact == imp
+        # the agent's heartbeats report a parked rank that kept its memory (as with
+        # --cache-runners; synthetic facts): the controller keeps them (NodeState.workers), the
+        # policy reads them, and a scale-down that would free no GPU is held
+        S = types_pb2.WORKER_STATE_STANDBY
+        t = push(cstub, node, 0.3, 2, workers=[
+            types_pb2.WorkerInfo(rank=0, state=types_pb2.WORKER_STATE_ACTIVE),
+            types_pb2.WorkerInfo(rank=1, state=S, model_bytes=10_000_000, released=False)])
+        (held,) = mine(await svc.tick(t), node)
+        assert held.decision.reason == "hold-unreleased" and not held.decision.switch
+        assert "parked ranks 1 were not released" in held.decision.text
+        assert state(cstub, node).recommendation.startswith("TP2PP1")
     finally:
         await close(svc)
 
