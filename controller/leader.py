@@ -27,15 +27,9 @@ import redis.asyncio as aioredis
 
 from remp import logs
 from remp.errors import NotLeader
+from remp.redisconn import raise_if_cancelling
 
 log = logs.get_logger("remp.controller.leader")
-
-
-def _raise_if_cancelling() -> None:
-    """Raise CancelledError when the running task has a cancel request that was swallowed."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 _ACQUIRE = """
@@ -144,12 +138,12 @@ class LeaderLease:
         it at every turn (a shutdown that hung there kept a test waiting forever)."""
         try:
             while True:
-                _raise_if_cancelling()
+                raise_if_cancelling()
                 if not self.is_leader:
                     try:
                         got = await self.try_acquire()
                     except (aioredis.RedisError, OSError):
-                        _raise_if_cancelling()
+                        raise_if_cancelling()
                         got = False
                     if not got:
                         await asyncio.sleep(self.poll_s)
@@ -167,7 +161,7 @@ class LeaderLease:
                         0.05, valid_until - self.clock()))
                     lost = not ok  # the key is gone or another controller's: no longer ours
                 except (aioredis.RedisError, OSError, TimeoutError):
-                    _raise_if_cancelling()
+                    raise_if_cancelling()
                     ok, lost = False, False
                 if ok:
                     valid_until = sent + self.lease_s - self.margin_s

@@ -400,8 +400,11 @@ class Store:
             keys, args = [*keys, self.k_term if term else ""], [*args, term if term else ""]
         try:
             if self.wait_replicas and name in ACKNOWLEDGED:
-                return await self._run_acknowledged(name, keys, args)
-            return await self._scripts[name](keys=keys, args=args)
+                out = await self._run_acknowledged(name, keys, args)
+            else:
+                out = await self._scripts[name](keys=keys, args=args)
+            redisconn.raise_if_cancelling()
+            return out
         except aioredis.ResponseError as exc:
             if "FENCED leader term" in str(exc):  # (a pipeline's error names the command)
                 log.warning("controller.write_fenced", script=name, term=self.fence.term,
@@ -444,9 +447,11 @@ class Store:
 
     async def _call(self, coro):
         try:
-            return await coro
+            out = await coro
         except (aioredis.RedisError, OSError) as exc:
             raise self._unavailable(exc) from exc
+        redisconn.raise_if_cancelling()
+        return out
 
     async def ping(self) -> bool:
         try:

@@ -21,6 +21,7 @@ once a replica has it, so a failover to that replica loses no acknowledged recor
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
@@ -47,6 +48,18 @@ class SentinelLocation:
     db: int = 0
     password: str | None = field(default=None, repr=False)
     username: str | None = None
+
+
+def raise_if_cancelling() -> None:
+    """Raise CancelledError when the running task has a cancel request that was swallowed.
+
+    A redis-py call cancelled at the moment its reply arrives can return the reply and leave
+    the task's cancel request unanswered (seen on the controller's rollout driver: a task
+    cancelled at a step-down read the switch's row and went on to its next step). Call it after
+    an awaited Redis call in a loop that must stop when cancelled."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def is_sentinel_url(url: str) -> bool:

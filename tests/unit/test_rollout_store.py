@@ -308,19 +308,22 @@ async def test_labels_dry_run_errors(core, fleet):
 
 async def test_a_restarted_controller_resumes_without_running_a_switch_twice(store, fleet):
     a = await make_core(store, fleet)
-    gate = asyncio.Event()
+    gate, reached = asyncio.Event(), asyncio.Event()
     real_finished = a.rollouts._finished
 
     async def stuck_after_n2(rid, node, *args, **kw):  # the process "dies" here for n2
         if node == "n2":
+            reached.set()
             await gate.wait()
         return await real_finished(rid, node, *args, **kw)
     a.rollouts._finished = stuck_after_n2
     v = await a.rollouts.create(spec())
     rid = v.state.rollout_id
-    while not any(r.outcome is Outcome.SUCCEEDED and r.node == "n2"
-                  for r in fleet.records.values()):
-        await asyncio.sleep(0.01)
+    # the driver read n2's finished switch (its row is final: the agent's record, then the
+    # controller's) and is about to record it; not when the agent alone has finished, or the
+    # stop below could cut the controller's own switch driver before it wrote the row
+    await asyncio.wait_for(reached.wait(), 10)
+    assert any(r.outcome is Outcome.SUCCEEDED and r.node == "n2" for r in fleet.records.values())
     await a.stop()  # n2's switch finished; the rollout never heard of it
     st = (await a.rollouts.get(rid)).state
     assert st.status is RolloutStatus.RUNNING and st.switching == ("n2",)
@@ -433,3 +436,25 @@ async def test_a_switch_the_dead_leader_never_dispatched_is_started_again(store,
         await b.stop()
     assert st.status is RolloutStatus.DONE, st
     assert sorted(n for n, _ in fleet.executed) == ["n1", "n2", "n3"]  # each once
+
+
+async def test_a_task_cancelled_inside_a_store_call_stops(redis_server):
+    """redis-py (8.2) answers most cancels that land inside a call by finishing the call and
+    dropping the cancel (measured here: 199 of 200 looping tasks ran on); the store re-raises it
+    when the call returns (``redisconn.raise_if_cancelling``), so a cancelled driver stops —
+    as a step-down or stop() expects."""
+    store = Store(redis_server.url, prefix=f"t-cancel-{uuid.uuid4().hex[:6]}:")
+
+    async def loop():
+        while True:
+            await store.switch("sw-none")
+    try:
+        for _ in range(40):
+            t = asyncio.create_task(loop())
+            await asyncio.sleep(0.001)
+            t.cancel()
+            done, _ = await asyncio.wait({t}, timeout=2)
+            assert done, "a cancelled task went on calling Redis"
+    finally:
+        t.cancel()
+        await store.close()
