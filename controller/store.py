@@ -725,6 +725,7 @@ class Store:
                 info, res = await p.execute(raise_on_error=False)
             except (aioredis.RedisError, OSError) as exc:
                 raise self._unavailable(exc) from exc
+        redisconn.raise_if_cancelling()
         if isinstance(info, aioredis.ResponseError):  # no stream yet: nothing retained
             return [], "", 0
         if isinstance(info, Exception):

@@ -35,9 +35,11 @@ class RedisDecisionStore:
 
     async def _call(self, aw):
         try:
-            return await aw
+            out = await aw
         except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
             raise Unavailable(f"redis at {redact_url(self.url)} unreachable: {exc}") from None
+        redisconn.raise_if_cancelling()  # redis-py may have dropped a cancel (remp.redisconn)
+        return out
 
     async def load(self, limit: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
         rows = await self._call(self.r.lrange(self.k_decisions, -limit, -1))
