@@ -66,7 +66,7 @@ def _trailing_max(r: np.ndarray, k: int) -> np.ndarray:
 
 
 class Replay:
-    """One run (trace, profile, K): the accounting of ``policy.savings._account``, vectorised over
+    """One run (trace, profile, K): the accounting of ``policy.savings.account``, vectorised over
     a precomputed goodput matrix so that hundreds of members replay in seconds."""
 
     def __init__(self, ev, table) -> None:

@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="K: the trace's peak window = K x fixed-best's SLO capacity (gpu-hours, latency)")
     ev.add_argument("--peak-utilization", type=float, default=0.9,
                     help="goodput objective: the peak window offers this fraction of the best capacity")
+    ev.add_argument("--profile-slowdown", type=float, default=1.0,
+                    help="take the profile as S x slower (capacities / S, latencies x S), as "
+                    "'remp policy serve --profile-slowdown' does (default 1)")
     ev.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target (default: the profile's)")
     ev.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target (default: the profile's)")
     ev.add_argument("--min-dwell-s", type=float, default=None,
@@ -126,6 +129,8 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--redis-prefix")
     sv.add_argument("--profile", help=f"built-in ({', '.join(BUILTIN_PROFILES)}) or a measured "
                     "profile JSON file")
+    sv.add_argument("--profile-slowdown", type=float, help="take the profile as S x slower "
+                    "(capacities / S, latencies x S; default 1): a margin for model error")
     sv.add_argument("--slo-ttft-ms", type=float)
     sv.add_argument("--slo-tpot-ms", type=float)
     sv.add_argument("--mode", help="initial mode: auto | advisory (default) | off")
@@ -293,7 +298,7 @@ def _replay_inputs(args):
     """The trace's load series, the profile and the SLO (the profile's unless given) a replay
     runs on; ValueError/OSError for a bad trace or profile."""
     series = read_trace(args.trace, args.format, args.window_s)
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile).slowed(args.profile_slowdown)
     d = profile.default_slo
     slo = SLO(args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else d.ttft_s,
               args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else d.tpot_s)

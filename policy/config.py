@@ -31,6 +31,10 @@ class PolicySettings(BaseSettings):
     redis_prefix: str = "remp:policy:"
     profile: str = Field("h200x8-analytic", description="built-in profile name or a measured "
                          "profile JSON file")
+    profile_slowdown: float = Field(1.0, ge=0.25, le=4.0, description="take the profile as this "
+                                    "many times slower (capacities / S, latencies x S): a margin "
+                                    "for a profile measured to be optimistic (docs/policy.md, "
+                                    "'Model error')")
     slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target (default: the profile's)")
     slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target (default: the profile's)")
     mode: Literal["auto", "advisory", "off"] = Field("advisory", description="initial mode of "

@@ -25,7 +25,7 @@ g(λ) = max_{λ' ≤ min(λ, capacity)} λ'·A(λ') (monotone in λ; what ideal 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -191,6 +191,26 @@ class Profile:
             served = np.maximum.accumulate(grid * a)
             out[c.topology] = GoodputCurve(c.topology, c.capacity_rps, grid, served, a)
         return out
+
+    def slowed(self, factor: float) -> "Profile":
+        """The same host taken as ``factor`` x slower (``factor`` < 1: faster): every engine time
+        scales by it, so each curve's loads and capacity divide by it and its latencies multiply
+        (a queue whose service times all scale by s holds at load λ what it held at λ·s, each
+        wait s times longer). For a profile that a measurement found optimistic by ~(s − 1)
+        (docs/policy.md, "Model error"). Switch downtimes are kept (a shard reload, not the
+        engine's iteration time)."""
+        if not (math.isfinite(factor) and 0.25 <= factor <= 4.0):
+            raise ValueError(f"profile slowdown must be within [0.25, 4], got {factor}")
+        if factor == 1.0:
+            return self
+        curves = tuple(TopologyCurve(
+            c.topology, c.capacity_rps / factor, tuple(x / factor for x in c.load_rps),
+            tuple(x * factor for x in c.ttft_p50_s), tuple(x * factor for x in c.ttft_p90_s),
+            tuple(x * factor for x in c.tpot_p50_s), tuple(x * factor for x in c.tpot_p90_s))
+            for c in self.curves)
+        return replace(self, name=f"{self.name}-slowed{factor:g}", curves=curves,
+                       notes=f"{self.notes}; taken as {factor:g}x slower (profile slowdown)",
+                       params={**self.params, "slowdown": factor})
 
     def in_flight(self, topo: Topology, rate: float) -> float:
         """Requests in the engine at ``rate`` (Little's law on the median latencies)."""

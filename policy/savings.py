@@ -173,8 +173,10 @@ def forecast_bands(series: WindowSeries, horizon: int, quantile: float):
 # ---- accounting ----
 
 
-def _account(table: CapacityTable, rates: np.ndarray, W: float, day_idx: np.ndarray, ndays: int,
+def account(table: CapacityTable, rates: np.ndarray, W: float, day_idx: np.ndarray, ndays: int,
              name: str, topos: list[Topology]) -> Run:
+    """One policy's path (a topology per window) counted on ``table``: GPU-seconds, in-SLO
+    requests per day (switch losses included), switches, request-weighted TPOT / TTFT."""
     sc = table.scorer
     valid = ~np.isnan(rates)
     r = np.nan_to_num(rates)
@@ -210,7 +212,7 @@ def _account(table: CapacityTable, rates: np.ndarray, W: float, day_idx: np.ndar
 
 def off_peak_tpot_ms(ev: "SavingsEvaluation", profile: Profile, name: str, share: float = 0.5) -> float:
     """Request-weighted mean TPOT p50 (ms) of run ``name`` over the off-peak windows: those whose
-    load is at most ``share`` x the trace's peak window (as ``_account`` weighs TPOT; NaN: none)."""
+    load is at most ``share`` x the trace's peak window (as ``account`` weighs TPOT; NaN: none)."""
     r = np.nan_to_num(ev.rates)
     off = ~np.isnan(ev.rates) & (r <= share * float(np.nanmax(ev.rates))) & (r > 0)
     if not off.any():
@@ -353,7 +355,7 @@ def constrained_oracle_topologies(table: CapacityTable, rates: np.ndarray, W: fl
                                   max_switches_per_day: int = 12, bounds: list | None = None) -> list[Topology]:
     """gpu-hours, an addition to the issue's per-window ``oracle`` (not a replacement): knowing every
     window's load, but obeying the rules every deployable policy must: on each day the in-SLO
-    requests (switches included, as ``_account`` counts them) stay >= ``bar`` x fixed-best's, and
+    requests (switches included, as ``account`` counts them) stay >= ``bar`` x fixed-best's, and
     at most ``max_switches_per_day`` switches (a partial last day: that share of it), starting
     from ``start``. Per day a DP over (switches used, topology) minimises GPU-seconds + mu x lost
     requests; mu is bisected (log scale) to the smallest value whose path keeps the day's bar
@@ -449,7 +451,7 @@ def run_savings(series: WindowSeries, profile: Profile, objective: str = "gpu-ho
     ndays = int(day_idx.max()) + 1
     days = float((~np.isnan(rates)).sum()) * W / DAY_S
     reqcost = table.request_cost_gpu_s(cfg)
-    acc = functools.partial(_account, table, rates, W, day_idx, ndays)
+    acc = functools.partial(account, table, rates, W, day_idx, ndays)
     runs: dict[str, Run] = {}
     best = table.fixed_best
     runs["fixed-best"] = acc("fixed-best", [best] * n)

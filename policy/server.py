@@ -28,7 +28,7 @@ log = logs.get_logger("remp.policy")
 def build_service(s: PolicySettings, creds: Credentials
                   ) -> tuple[PolicyService, GrpcController, RedisDecisionStore | None]:
     try:
-        profile = load_profile(s.profile)
+        profile = load_profile(s.profile).slowed(s.profile_slowdown)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     d = profile.default_slo

@@ -1,0 +1,79 @@
+"""Model error: a profile taken as s x slower (``Profile.slowed``, ``--profile-slowdown``) and
+the bench that replays auto deciding on one profile and counted on a slower one
+(bench/policy_model_error.py)."""
+
+import json
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from bench.policy_model_error import replay
+from ops.policy_cli import main
+from policy.config import PolicySettings
+from policy.perfmodel import build_profile
+import policy.perfmodel as perfmodel
+from policy.profiles import load_profile
+from policy.scale import ScaleConfig
+from policy.traces import WindowSeries, write_canonical
+
+
+def _diurnal(days=2, W=600.0):
+    t = np.arange(0, days * 86400, W)
+    r = 100 * (1 + 0.7 * np.sin(2 * np.pi * t / 86400))
+    return WindowSeries("diurnal", W, t, r * W, np.zeros(len(t), bool))
+
+
+def test_a_slowed_profile_divides_loads_and_multiplies_latencies():
+    p = load_profile("h200x8-llama2-7b")
+    q = p.slowed(1.25)
+    assert p.slowed(1.0) is p and q.name == "h200x8-llama2-7b-slowed1.25"
+    assert q.params["slowdown"] == 1.25 and "1.25x slower" in q.notes
+    for a, b in zip(p.curves, q.curves):
+        assert b.capacity_rps == pytest.approx(a.capacity_rps / 1.25)
+        assert b.load_rps[-1] == pytest.approx(a.load_rps[-1] / 1.25)
+        assert b.tpot_p50_s[3] == pytest.approx(a.tpot_p50_s[3] * 1.25)
+        assert b.ttft_p90_s[-1] == pytest.approx(a.ttft_p90_s[-1] * 1.25)
+    assert q.pair_downtime_s == p.pair_downtime_s
+    for bad in (0.1, 5.0, float("nan")):
+        with pytest.raises(ValueError, match="slowdown"):
+            p.slowed(bad)
+
+
+def test_slowing_the_profile_matches_rebuilding_it_with_slower_layers(monkeypatch):
+    """The transform stands for an engine whose every layer is s x slower: within 1.5 % of
+    rebuilding the profile from the model with each layer's time x 1.12."""
+    layer = perfmodel.PerfModel.layer_ms
+    monkeypatch.setattr(perfmodel.PerfModel, "layer_ms",
+                        lambda self, *a, **k: 1.12 * layer(self, *a, **k))
+    rebuilt = build_profile("llama2-70b", "h200")
+    monkeypatch.undo()
+    slowed = load_profile("h200x8-llama2-70b").slowed(1.12)
+    for c in rebuilt.curves:
+        assert slowed.capacity(c.topology) == pytest.approx(c.capacity_rps, rel=0.015)
+
+
+def test_settings_and_cli_take_the_slowdown(tmp_path, capsys):
+    s = PolicySettings(controller="127.0.0.1:1", profile_slowdown=1.12)
+    assert s.profile_slowdown == 1.12 and PolicySettings(controller="x:1").profile_slowdown == 1.0
+    with pytest.raises(ValidationError):
+        PolicySettings(controller="127.0.0.1:1", profile_slowdown=5)
+    write_canonical(_diurnal(W=3600.0), tmp_path / "t.csv")
+    args = ["evaluate", "--trace", str(tmp_path / "t.csv"), "--profile", "h200x8-llama2-7b",
+            "--load-scale", "0.6"]
+    assert main(args + ["--profile-slowdown", "1.12"]) == 0
+    out = capsys.readouterr().out
+    assert "profile h200x8-llama2-7b-slowed1.12" in out
+    assert main(args + ["--profile-slowdown", "9", "--json"]) == 2
+    assert "slowdown" in capsys.readouterr().err
+
+
+def test_model_error_replay_counts_on_the_slower_host():
+    prof, cfg = load_profile("h200x8-llama2-7b"), ScaleConfig()
+    same = replay(_diurnal(), prof, 0.9, 1.0, 1.0, cfg)
+    worse = replay(_diurnal(), prof, 0.9, 1.0, 1.25, cfg)
+    margin = replay(_diurnal(), prof, 0.9, 1.25, 1.25, cfg)
+    assert same["auto_worst_day"] >= 0.99 and margin["auto_worst_day"] >= 0.99
+    # deciding on a 25 % optimistic model loses more than deciding on the host as it is
+    assert worse["auto_worst_day"] < margin["auto_worst_day"]
+    json.dumps([same, worse, margin])
