@@ -154,13 +154,19 @@ async def test_low_load_scales_down_one_world_size_after_warm_up_with_its_impact
     assert not [c for c in ctl.calls if c[0] == "reconfigure"]
 
 
-async def test_auto_releases_gpus_then_scales_up_at_once():
-    ctl = MemoryController()
+async def scaled_down_in_auto(ctl: MemoryController) -> tuple[PolicyService, DecisionRecord]:
+    """A 2-GPU node in auto mode at 0.3 req/s: after the warm-up, its scale-down to one GPU."""
     ctl.add("n1", TP2PP1)
     svc = service(ctl, mode="auto")
     ctl.push("n1", 0.3, 1000, 1060)
     await svc.tick(1025.0)
     (down,) = await svc.tick(1060.0)
+    return svc, down
+
+
+async def test_auto_releases_gpus_then_scales_up_at_once():
+    ctl = MemoryController()
+    svc, down = await scaled_down_in_auto(ctl)
     assert down.decision.recommended == TP1PP1
     assert down.outcome == f"accepted: switch {down.switch_id} succeeded"
     (call,) = [c for c in ctl.calls if c[0] == "reconfigure"]
@@ -185,11 +191,7 @@ async def test_parked_ranks_that_keep_their_memory_save_nothing_and_hold_the_nex
     the whole host the policy does not park ranks again to free no GPU (a scale-up is never held:
     its decision is unchanged)."""
     ctl = MemoryController()
-    ctl.add("n1", TP2PP1)
-    svc = service(ctl, mode="auto")
-    ctl.push("n1", 0.3, 1000, 1060)
-    await svc.tick(1025.0)
-    (down,) = await svc.tick(1060.0)
+    svc, down = await scaled_down_in_auto(ctl)
     assert down.decision.recommended == TP1PP1 and down.impact.expected_saving_gpu_hours > 0
     assert down.impact.unreleased_gpus == ()  # nothing was reported parked yet
     # the agent's next heartbeat: rank 1 is STANDBY but still holds its runner
