@@ -45,8 +45,8 @@ def rows_of(run: dict) -> dict[tuple, dict]:
 def pair(a: dict, b: dict) -> dict:
     ga, gb = gpu_of(a), gpu_of(b)
     ra, rb = rows_of(a), rows_of(b)
-    layers = {id(a): int(a.get("layer_config", {}).get("layers", 0)),
-              id(b): int(b.get("layer_config", {}).get("layers", 0))}
+    la = int(a.get("layer_config", {}).get("layers", 0))
+    lb = int(b.get("layer_config", {}).get("layers", 0))
     models: dict[tuple[str, str], PerfModel] = {}
 
     def pm(model: str, g: str) -> PerfModel:
@@ -63,13 +63,10 @@ def pair(a: dict, b: dict) -> dict:
             op = x["what"][3:]
             ma, mb = pm(model, ga).op_ms(op, tp, n), pm(model, gb).op_ms(op, tp, n)
         else:
-            if layers[id(a)] != layers[id(b)] or x.get("shape") != y.get("shape"):
+            if la != lb or x.get("shape") != y.get("shape"):
                 continue  # not the same stack
-            L = layers[id(a)]
-            ma = sum(predict(pm(model, ga), tp, x["phase"], int(x["batch"]), int(x["q_len"]),
-                             int(x["context"]), L))
-            mb = sum(predict(pm(model, gb), tp, x["phase"], int(x["batch"]), int(x["q_len"]),
-                             int(x["context"]), L))
+            case = (tp, x["phase"], int(x["batch"]), int(x["q_len"]), int(x["context"]), la)
+            ma, mb = sum(predict(pm(model, ga), *case)), sum(predict(pm(model, gb), *case))
         meas = float(y["median_ms"]) / float(x["median_ms"])
         out.append(dict(what=x["what"], model=model, tp=tp, phase=x["phase"],
                         batch=int(x["batch"]), q_len=int(x["q_len"]),
