@@ -164,6 +164,10 @@ class TrafficSample:
     output_tokens: int = 0
     running: int = 0
     waiting: int = 0
+    tpot_seconds_sum: float = 0.0
+    tpot_requests: int = 0
+    ttft_seconds_sum: float = 0.0
+    ttft_requests: int = 0
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,9 @@ class TrafficWindow:
 
     async def sample(self, agent: "NodeAgent") -> types_pb2.TrafficSample:
         now, cur = time.monotonic(), self._read()
-        delta = {k: max(0.0, cur[k] - self._last.get(k, 0.0))
-                 for k in ("requests", "input_tokens", "output_tokens")}
+        delta = {k: max(0.0, cur.get(k, 0.0) - self._last.get(k, 0.0))
+                 for k in ("requests", "input_tokens", "output_tokens", "tpot_sum", "tpot_count",
+                           "ttft_sum", "ttft_count")}
         window, self._last, self._t = now - self._t, cur, now
         running, waiting = int(cur.get("running", 0)), int(cur.get("waiting", 0))
         at = Timestamp()
@@ -75,7 +76,9 @@ class TrafficWindow:
         return types_pb2.TrafficSample(
             at=at, window_seconds=window, requests=int(delta["requests"]),
             input_tokens=int(delta["input_tokens"]), output_tokens=int(delta["output_tokens"]),
-            running=running, waiting=waiting)
+            running=running, waiting=waiting,
+            tpot_seconds_sum=delta["tpot_sum"], tpot_requests=int(delta["tpot_count"]),
+            ttft_seconds_sum=delta["ttft_sum"], ttft_requests=int(delta["ttft_count"]))
 
 
 async def heartbeat_request(agent: "NodeAgent", window: TrafficWindow

@@ -131,6 +131,9 @@ def _serve_parser(sub) -> None:
                     "profile JSON file")
     sv.add_argument("--profile-slowdown", type=float, help="take the profile as S x slower "
                     "(capacities / S, latencies x S; default 1): a margin for model error")
+    sv.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                    help="gpu-hours / latency: correct the profile from the TPOT the host shows, "
+                    "never below --profile-slowdown (default: on)")
     sv.add_argument("--slo-ttft-ms", type=float)
     sv.add_argument("--slo-tpot-ms", type=float)
     sv.add_argument("--mode", help="initial mode: auto | advisory (default) | off")

@@ -35,6 +35,9 @@ class PolicySettings(BaseSettings):
                                     "many times slower (capacities / S, latencies x S): a margin "
                                     "for a profile measured to be optimistic (docs/policy.md, "
                                     "'Model error')")
+    calibrate: bool = Field(True, description="gpu-hours / latency: take the profile as slower "
+                            "when the host's observed TPOT says it is (never faster than "
+                            "--profile-slowdown; docs/policy.md, 'Calibration')")
     slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT target (default: the profile's)")
     slo_tpot_ms: float | None = Field(None, gt=0, description="TPOT target (default: the profile's)")
     mode: Literal["auto", "advisory", "off"] = Field("advisory", description="initial mode of "

@@ -5,6 +5,8 @@ statuses turned back into the typed ``remp.errors`` (one table)."""
 
 from __future__ import annotations
 
+import math
+
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -64,8 +66,10 @@ def node_view(st: controller_pb2.NodeState) -> NodeView:
 
 
 def sample_of(t: types_pb2.TrafficSample) -> Sample:
+    tpot_sum = t.tpot_seconds_sum if math.isfinite(t.tpot_seconds_sum) else 0.0
     return Sample(t.at.ToNanoseconds() / 1e9, t.window_seconds, t.requests, t.input_tokens,
-                  t.output_tokens, t.running, t.waiting)
+                  t.output_tokens, t.running, t.waiting, max(tpot_sum, 0.0),
+                  t.tpot_requests if tpot_sum > 0 else 0)
 
 
 def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
@@ -73,7 +77,8 @@ def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
     at.FromNanoseconds(int(s.at_s * 1e9))
     return types_pb2.TrafficSample(at=at, window_seconds=s.window_s, requests=s.requests,
                                    input_tokens=s.input_tokens, output_tokens=s.output_tokens,
-                                   running=s.running, waiting=s.waiting)
+                                   running=s.running, waiting=s.waiting,
+                                   tpot_seconds_sum=s.tpot_s_sum, tpot_requests=s.tpot_requests)
 
 
 class GrpcController:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from policy.calibrate import CalibrationConfig, Observation, calibrated_slowdown, implied_slowdown
 from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
@@ -510,8 +511,29 @@ def run_savings(series: WindowSeries, profile: Profile, objective: str = "gpu-ho
                              slo_capacity=dict(table.slo_cap))
 
 
+@dataclass
+class HostCalibration:
+    """Replay only: auto corrects its profile from the TPOT the host shows (``policy.calibrate``).
+    ``base`` is the profile auto was given; ``host`` what the host really is (its table gives
+    each window's TPOT for the topology held, times lognormal noise of sigma ``noise``);
+    ``floor`` is the operator's ``--profile-slowdown``. ``slowdowns`` records, per window, the
+    slowdown auto decided on."""
+
+    base: Profile
+    host: CapacityTable
+    cfg: CalibrationConfig = CalibrationConfig()
+    floor: float = 1.0
+    noise: float = 0.0
+    seed: int = 0
+    slowdowns: list[float] | None = None
+
+
 def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarray, scale: float,
-                    cfg: ScaleConfig, start: Topology) -> tuple[list[Topology], list]:
+                    cfg: ScaleConfig, start: Topology,
+                    calibration: HostCalibration | None = None) -> tuple[list[Topology], list]:
+    """Auto's topology per window. With ``calibration``, ``table`` must be the base profile taken
+    as ``calibration.floor`` x slower; after each window auto re-derives its table from the
+    base profile taken as the calibrated slowdown x slower."""
     W, n = series.window_s, len(rates)
     t0 = float(series.t_start_s[0])
     H = cfg.windows(cfg.horizon_s, W)
@@ -527,10 +549,35 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     # against fixed-best (switches included)
     r0 = np.nan_to_num(rates)
     gbest = table.scorer.goodput_rps(table.fixed_best, r0) * W
+    cal = calibration
+    if cal is not None:
+        tables = {cal.floor: table}
+        eff, gfull, gbest = cal.floor, gbest, gbest.copy()
+        observed: list[Observation] = []
+        rng = np.random.default_rng(cal.seed)
+        cal.slowdowns = []
     day_n = max(1, int(round(DAY_S / W)))
     day_of = ((series.t_start_s - t0) // DAY_S).astype(int)
     lost = np.zeros(n)
     for w in range(n):
+        if w > 0 and cal is not None:
+            # window w - 1 as the host served it: the TPOT it showed, the slowdown it implies
+            prev, end = topos[-1], float(series.t_start_s[w - 1]) + W
+            if not math.isnan(rates[w - 1]) and (w < 2 or topos[-2] == prev):
+                tpot = cal.host.tpot_s(prev, float(rates[w - 1]))
+                if cal.noise > 0:
+                    tpot *= math.exp(cal.noise * float(rng.standard_normal()))
+                observed.append(Observation(end, float(rates[w - 1]), tpot, float(rates[w - 1]) * W,
+                                            implied_slowdown(cal.base.curve(prev),
+                                                             float(rates[w - 1]), tpot)))
+            s_now = calibrated_slowdown(observed, end, cal.floor, cal.cfg)
+            if s_now != eff:
+                if s_now not in tables:
+                    tables[s_now] = CapacityTable(cal.base.slowed(s_now), table.slo, cfg.attainment_bar)
+                eff, table = s_now, tables[s_now]
+                gfull = table.scorer.goodput_rps(table.fixed_best, r0) * W
+            gbest[w - 1] = gfull[w - 1]
+            cal.slowdowns.append(eff)
         if w > 0:
             prev = topos[-1]
             lost[w - 1] = max(gbest[w - 1] - float(table.scorer.goodput_rps(prev, r0[w - 1])) * W, 0.0)

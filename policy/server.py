@@ -12,6 +12,7 @@ from policy.config import PolicySettings
 from policy.controller_client import GrpcController
 from policy.profiles import SLO, load_profile
 from policy.service import PolicyService
+from policy.calibrate import CalibrationConfig
 from policy.servicer import PolicyServicer
 from policy.store import RedisDecisionStore
 from remp import logs, metrics
@@ -42,7 +43,8 @@ def build_service(s: PolicySettings, creds: Credentials
                         rollout_min_nodes=s.rollout_min_nodes,
                         rollout_headroom=s.rollout_headroom,
                         follow_s=s.follow_switch_seconds,
-                        objective=s.objective, scale=s.scale_config())
+                        objective=s.objective, scale=s.scale_config(),
+                        calibration=CalibrationConfig(enabled=s.calibrate))
     return svc, ctl, store
 
 

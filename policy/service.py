@@ -34,6 +34,7 @@ injected clock. Errors are the typed ``remp.errors`` ones.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 import uuid
@@ -43,6 +44,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile,
+                              calibrated_slowdown, implied_slowdown)
 from policy.decide import (DAY_S, AutoPolicy, CandidateScore, Decision, PolicyConfig, PolicyState,
                            Scorer)
 from policy.forecast import Chooser
@@ -77,6 +80,8 @@ class Sample:
     output_tokens: int = 0
     running: int = 0
     waiting: int = 0
+    tpot_s_sum: float = 0.0  # the finished requests' mean TPOTs, summed (s)
+    tpot_requests: int = 0  # ... over this many requests
 
 
 @dataclass(frozen=True)
@@ -180,15 +185,22 @@ class WindowAggregator:
         while k * self.W < s.at_s:
             lo, hi = max(start, k * self.W), min(s.at_s, (k + 1) * self.W)
             if hi > lo and k >= self.next_k:
-                a = self.acc.setdefault(k, [0.0, 0.0])
+                a = self.acc.setdefault(k, [0.0, 0.0, 0.0, 0.0])
                 a[0] += s.requests * (hi - lo) / s.window_s
                 a[1] += hi - lo
+                a[2] += s.tpot_s_sum * (hi - lo) / s.window_s
+                a[3] += s.tpot_requests * (hi - lo) / s.window_s
             k += 1
         self.latest_at, self.interval = s.at_s, s.window_s
 
     def complete(self, now_s: float) -> list[tuple[float, float]]:
         """(window start, rate req/s) of every window finished by ``now_s``, oldest first."""
-        out: list[tuple[float, float]] = []
+        return [(t0, rate) for t0, rate, _, _ in self.complete_tpot(now_s)]
+
+    def complete_tpot(self, now_s: float) -> list[tuple[float, float, float, float]]:
+        """As :meth:`complete`, with the window's mean TPOT of the requests that finished in it
+        (NaN: none) and how many they were (spread over windows like the requests)."""
+        out: list[tuple[float, float, float, float]] = []
         if self.next_k is None:
             return out
         stale = self.stale_s if self.stale_s is not None else max(3 * self.interval, self.W)
@@ -196,9 +208,11 @@ class WindowAggregator:
             end = (self.next_k + 1) * self.W
             if not (end <= self.latest_at or end + stale <= now_s):
                 return out
-            req, cov = self.acc.pop(self.next_k, (0.0, 0.0))
-            rate = req / cov if cov >= self.min_coverage * self.W else math.nan
-            out.append((self.next_k * self.W, rate))
+            req, cov, tsum, tn = self.acc.pop(self.next_k, (0.0, 0.0, 0.0, 0.0))
+            ok = cov >= self.min_coverage * self.W
+            rate = req / cov if ok else math.nan
+            tpot = tsum / tn if ok and tn > 0 else math.nan
+            out.append((self.next_k * self.W, rate, tpot, tn if ok else 0.0))
             self.next_k += 1
 
 
@@ -212,6 +226,8 @@ class Window:
     t0: float
     rate: float
     topology: Topology | None
+    tpot_s: float = math.nan  # mean TPOT of the requests that finished in it (NaN: none)
+    tpot_requests: float = 0.0  # ... how many
 
 
 @dataclass(frozen=True)
@@ -622,6 +638,7 @@ class _Node:
     # the node's parked ranks keep their memory (the last report that showed parked ranks had
     # one not released): remembered while every rank is active, as --cache-runners is for life
     keeps_parked: tuple[int, ...] = ()
+    slowdown: float = 1.0  # calibrated from the node's observed TPOT (policy.calibrate)
 
 
 class PolicyService:
@@ -633,7 +650,7 @@ class PolicyService:
                  retry_backoff_s: float = 30.0, max_decisions: int = 50_000, clock=time.time,
                  objective: str = "gpu-hours", scale: ScaleConfig | None = None,
                  rollout_min_nodes: int = 2, rollout_headroom: float = 1.2,
-                 follow_s: float = 10.0):
+                 follow_s: float = 10.0, calibration: CalibrationConfig | None = None):
         if default_mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {default_mode!r}")
         if objective not in OBJECTIVES:
@@ -647,7 +664,9 @@ class PolicyService:
         # the scale config of the impact (goodput) and the decision (gpu-hours, latency)
         self.scale = base if objective == "goodput" else replace(base, objective=objective)
         self.history_keep = int(math.ceil(DAY_S / window_s)) + 2
-        self._tables: dict[tuple[Topology, ...], CapacityTable | str] = {}
+        # gpu-hours / latency: each node's profile taken as slower when its observed TPOT says so
+        self.calibration = calibration or CalibrationConfig()
+        self._tables: dict[tuple[tuple[Topology, ...], float], CapacityTable | str] = {}
         self._switch_times: dict[str, tuple[float, ...]] = {}  # from the log, for the budget
         self.retry_backoff_s, self.max_decisions = retry_backoff_s, max_decisions
         self.follow_s = follow_s  # how long a tick waits for the switches it started
@@ -785,12 +804,12 @@ class PolicyService:
             n.agg.add(s)
             n.observed.append(s)
             n.since_s = max(n.since_s or -math.inf, s.at_s)
-        for t0, rate in n.agg.complete(now):
+        for t0, rate, tpot, tn in n.agg.complete_tpot(now):
             n.chooser.update(t0, rate)
             n.last_window_s = t0
             # the topology held then: the controller's observed one now (windows read back at
             # a restart are counted on the topology the node has when they are read)
-            n.history.append(Window(t0, rate, n.view.observed))
+            n.history.append(Window(t0, rate, n.view.observed, tpot, tn))
 
     def _scorer(self, topos: tuple[Topology, ...]) -> Scorer:
         sc = self._scorers.get(topos)
@@ -816,18 +835,42 @@ class PolicyService:
         n.problem = ""
         return tuple(t for t in self.profile.topologies if t in cands)
 
-    def _table(self, topos: tuple[Topology, ...]) -> CapacityTable | str:
-        """SLO capacities over these topologies (cached), or why there are none."""
-        tb = self._tables.get(topos)
+    def _table(self, topos: tuple[Topology, ...], slowdown: float = 1.0) -> CapacityTable | str:
+        """SLO capacities over these topologies (cached) on the profile taken as ``slowdown`` x
+        slower (calibrated), or why there are none."""
+        tb = self._tables.get((topos, slowdown))
         if tb is None:
-            sub = replace(self.profile, curves=tuple(c for c in self.profile.curves
-                                                     if c.topology in topos))
+            prof = calibrated_profile(self.profile, slowdown)
+            sub = replace(prof, curves=tuple(c for c in prof.curves if c.topology in topos))
             try:
                 tb = CapacityTable(sub, self.slo, self.scale.attainment_bar)
             except ValueError as exc:
                 tb = f"{exc} (candidates {', '.join(map(str, topos))})"
-            self._tables[topos] = tb
+            self._tables[(topos, slowdown)] = tb
         return tb
+
+    def _calibrate(self, n: _Node, now: float) -> float:
+        """The node's slowdown against the profile, from the TPOT its windows of the last span
+        showed (``policy.calibrate``; 1 when off or not yet observed). A window is used when
+        requests finished in it and it held the topology of the window before it."""
+        cfg, W = self.calibration, self.window_s
+        if not cfg.enabled:
+            return 1.0
+        k = int(math.ceil(cfg.span_s / W)) + 2
+        tail = list(itertools.islice(reversed(n.history), k))[::-1]
+        known = set(self.profile.topologies)
+        obs = [Observation(b.t0 + W, b.rate, b.tpot_s, b.tpot_requests,
+                           implied_slowdown(self.profile.curve(b.topology), b.rate, b.tpot_s))
+               for a, b in zip([None, *tail], tail)
+               if b.topology in known and b.tpot_requests > 0
+               and (a is None or a.topology == b.topology)]
+        s = calibrated_slowdown(obs, now, 1.0, cfg)
+        if s != n.slowdown:
+            log.info("policy.calibrated", node=n.name, slowdown=s, was=n.slowdown,
+                     profile=self.profile.name, windows=len(obs),
+                     requests=round(sum(o.requests for o in obs)))
+            n.slowdown = s
+        return s
 
     @staticmethod
     def _host_gpus(n: _Node) -> int:
@@ -877,7 +920,7 @@ class PolicyService:
         topos = self._topologies(n)
         if topos is None:
             return None
-        table = self._table(topos)
+        table = self._table(topos, self._calibrate(n, now))
         if isinstance(table, str):
             n.problem = f"profile {self.profile.name!r}: {table}"
             return None
@@ -947,7 +990,7 @@ class PolicyService:
     def _capacity(self, n: _Node, t: Topology) -> float:
         """SLO capacity (req/s) of ``t`` on this node's candidates, per the profile."""
         topos = self._topologies(n)
-        table = self._table(topos) if topos else "no topologies"
+        table = self._table(topos, n.slowdown) if topos else "no topologies"
         if not isinstance(table, str) and t in table.slo_cap:
             return float(table.slo_cap[t])
         return float(self.profile.capacity(t)) if t in self.profile.topologies else 0.0

@@ -185,6 +185,10 @@ class VllmInternalsMoved(RuntimeError):
 TRAFFIC_METRICS = {"requests": "vllm:request_success", "input_tokens": "vllm:prompt_tokens",
                    "output_tokens": "vllm:generation_tokens"}
 TRAFFIC_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
+# per finished request: its mean time per output token, and its time to first token (histograms:
+# <name>_sum and <name>_count, read as "<key>_sum" / "<key>_count")
+TRAFFIC_HISTOGRAMS = {"tpot": "vllm:request_time_per_output_token_seconds",
+                      "ttft": "vllm:time_to_first_token_seconds"}
 
 
 def traffic_counters() -> dict[str, float]:
@@ -194,15 +198,21 @@ def traffic_counters() -> dict[str, float]:
     up to 1 s)."""
     from prometheus_client import REGISTRY
 
-    out = dict.fromkeys([*TRAFFIC_METRICS, *TRAFFIC_GAUGES], 0.0)
+    out = dict.fromkeys([*TRAFFIC_METRICS, *TRAFFIC_GAUGES,
+                         *(f"{k}_{x}" for k in TRAFFIC_HISTOGRAMS for x in ("sum", "count"))], 0.0)
     counters = {v: k for k, v in TRAFFIC_METRICS.items()}
     gauges = {v: k for k, v in TRAFFIC_GAUGES.items()}
+    hists = {v: k for k, v in TRAFFIC_HISTOGRAMS.items()}
     for fam in REGISTRY.collect():
         if fam.name in counters:
             out[counters[fam.name]] += sum(s.value for s in fam.samples
                                            if s.name.endswith("_total"))
         elif fam.name in gauges:
             out[gauges[fam.name]] += sum(s.value for s in fam.samples)
+        elif fam.name in hists:
+            for x in ("sum", "count"):
+                out[f"{hists[fam.name]}_{x}"] += sum(s.value for s in fam.samples
+                                                     if s.name == f"{fam.name}_{x}")
     return out
 
 

@@ -182,6 +182,15 @@ async def test_advisory_then_auto_on_a_ramp(stack):
         assert adv and adv[0].mode == policy_pb2.MODE_ADVISORY and not adv[0].switch_id
         r = adv[0].recommendation
         assert r.switch and (r.recommended.tp, r.recommended.pp) == (1, 2) and len(r.scores) == 2
+        # the agent's heartbeats carry vLLM's per-request TPOT and TTFT (the policy's
+        # calibration reads them): every finished request counted, means of a plausible size
+        tr = await cstub.GetTraffic(controller_pb2.GetTrafficRequest(node=NODE), timeout=5)
+        done = sum(t.requests for t in tr.samples)
+        tpot_n = sum(t.tpot_requests for t in tr.samples)
+        assert done > 0 and tpot_n == done, (done, tpot_n)
+        assert sum(t.ttft_requests for t in tr.samples) >= done  # TTFT: at the first token
+        assert 0 < sum(t.tpot_seconds_sum for t in tr.samples) / tpot_n < 10
+        assert 0 < sum(t.ttft_seconds_sum for t in tr.samples) / done < 60
 
         # the load is over: wait until the policy no longer wants a switch, so that what auto
         # mode does below comes from the second ramp, not from the tail of the first

@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from policy.calibrate import CalibrationConfig
 from policy.config import PolicySettings
 from policy.decide import DAY_S, PolicyConfig
 from policy.profiles import Profile
@@ -50,11 +51,14 @@ class MemoryController:
         self.views[name] = NodeView(name, at, tuple(candidates), "ready")
         self.samples[name] = []
 
-    def push(self, name: str, rate: float, t_from: float, t_to: float) -> None:
-        """One-second heartbeat samples at ``rate`` req/s over (t_from, t_to]."""
+    def push(self, name: str, rate: float, t_from: float, t_to: float,
+             tpot_s: float = 0.0) -> None:
+        """One-second heartbeat samples at ``rate`` req/s over (t_from, t_to]; with ``tpot_s``,
+        every request finished in a sample had that mean TPOT."""
         for i in range(int(t_from) + 1, int(t_to) + 1):
             n = math.floor(rate * i + 1e-9) - math.floor(rate * (i - 1) + 1e-9)
-            self.samples[name].append(Sample(float(i), 1.0, n))
+            self.samples[name].append(Sample(float(i), 1.0, n, tpot_s_sum=n * tpot_s,
+                                             tpot_requests=n if tpot_s > 0 else 0))
 
     async def list_nodes(self) -> list[NodeView]:
         return list(self.views.values())
@@ -218,6 +222,65 @@ async def test_parked_ranks_that_keep_their_memory_save_nothing_and_hold_the_nex
     ctl.push("n1", 0.3, 1400, 1410)
     (again,) = await svc.tick(1410.0)
     assert again.decision.reason == "scale-down" and again.decision.recommended == TP1PP1
+
+
+async def _calibrated_run(rate: float, host_slowdown: float, enabled: bool = True):
+    """A 2-GPU node at ``rate`` whose requests show the TPOT of the profile taken as
+    ``host_slowdown`` x slower: the decisions of ticks 1020 ... 1100 s and the service."""
+    ctl = MemoryController()
+    ctl.add("n1", TP2PP1)
+    svc = PolicyService(scale_profile(), ctl, config=PolicyConfig(horizon_s=100.0), window_s=W,
+                        objective="gpu-hours", scale=cfg(),
+                        calibration=CalibrationConfig(enabled=enabled, min_requests=5,
+                                                      min_total=30))
+    tpot = scale_profile().slowed(host_slowdown).curve(TP2PP1).at(rate)[2]
+    ctl.push("n1", rate, 1000, 1100, tpot)
+    return [(await svc.tick(float(t)))[0] for t in range(1020, 1101, 10)], svc
+
+
+async def test_a_host_slower_than_its_profile_is_calibrated_from_its_tpot(caplog):
+    """The node's heartbeats carry its requests' TPOT; once enough requests finished, the policy
+    decides on the profile taken as the observed slowdown x slower and says so."""
+    blind, _ = await _calibrated_run(1.0, 1.6, enabled=False)
+    assert {r.decision.reason for r in blind} == {"stay"}
+    assert {r.impact.profile for r in blind} == {"scale-test"}
+    seen, svc = await _calibrated_run(1.0, 1.6)
+    assert svc.nodes["n1"].slowdown == pytest.approx(1.6)
+    # the first tick has too few finished requests to say anything: the profile as given
+    assert seen[0].impact.profile == "scale-test" and seen[0].decision.reason == "stay"
+    # then: TP2PP1 at 1.0 req/s loses more than the budget on a 1.6x slower host, so the
+    # policy moves to the 2-GPU topology with the higher SLO capacity, stating the profile
+    last = seen[-1]
+    assert last.decision.reason == "scale-up" and last.decision.recommended == TP1PP2
+    assert last.impact.profile == "scale-test-calibrated1.6"
+    assert last.decision.scale.profile == "scale-test-calibrated1.6"
+    assert recommendation_to_proto(last).profile == "scale-test-calibrated1.6"
+    assert "calibrated" in svc.nodes["n1"].last.impact.profile
+    # a host as fast as its profile: nothing changes (and never faster than configured)
+    same, svc1 = await _calibrated_run(0.5, 1.0)
+    plain, _ = await _calibrated_run(0.5, 1.0, enabled=False)
+    assert svc1.nodes["n1"].slowdown == 1.0
+    assert [(r.decision.reason, r.decision.recommended, r.impact.profile) for r in same] == \
+        [(r.decision.reason, r.decision.recommended, r.impact.profile) for r in plain]
+    fast, svc2 = await _calibrated_run(0.5, 0.7)
+    assert svc2.nodes["n1"].slowdown == 1.0 and {r.impact.profile for r in fast} == {"scale-test"}
+
+
+def test_windows_carry_the_tpot_of_the_requests_that_finished_in_them():
+    from policy.service import WindowAggregator
+    a = WindowAggregator(10.0)
+    for i in range(1, 21):  # 1-s samples, 2 requests each, TPOT 20 ms then 40 ms
+        tpot = 0.02 if i <= 10 else 0.04
+        a.add(Sample(float(i), 1.0, 2, tpot_s_sum=2 * tpot, tpot_requests=2))
+    a.add(Sample(21.0, 1.0, 0))
+    (w0, r0, t0, n0), (w1, r1, t1, n1) = a.complete_tpot(21.0)
+    assert (w0, r0, n0, w1, n1) == (0.0, 2.0, 20.0, 10.0, 20.0)
+    assert t0 == pytest.approx(0.02) and t1 == pytest.approx(0.04)
+    b = WindowAggregator(10.0)
+    b.add(Sample(10.0, 10.0, 5))
+    b.add(Sample(20.0, 10.0, 5))
+    (_, rate, tpot, n), _ = b.complete_tpot(20.0)  # no TPOT reported: NaN, none
+    assert rate == 0.5 and math.isnan(tpot) and n == 0
 
 
 def test_node_view_reads_which_parked_ranks_the_agent_reported_released():

@@ -260,7 +260,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., kv_resident_bytes: _Optional[int] = ..., device: _Optional[str] = ..., model_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class TrafficSample(_message.Message):
-    __slots__ = ("at", "window_seconds", "requests", "input_tokens", "output_tokens", "running", "waiting")
+    __slots__ = ("at", "window_seconds", "requests", "input_tokens", "output_tokens", "running", "waiting", "tpot_seconds_sum", "tpot_requests", "ttft_seconds_sum", "ttft_requests")
     AT_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,10 @@ class TrafficSample(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TPOT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TTFT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     at: _timestamp_pb2.Timestamp
     window_seconds: float
     requests: int
@@ -275,7 +279,11 @@ class TrafficSample(_message.Message):
     output_tokens: int
     running: int
     waiting: int
-    def __init__(self, at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_seconds: _Optional[float] = ..., requests: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    tpot_seconds_sum: float
+    tpot_requests: int
+    ttft_seconds_sum: float
+    ttft_requests: int
+    def __init__(self, at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_seconds: _Optional[float] = ..., requests: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tpot_seconds_sum: _Optional[float] = ..., tpot_requests: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., ttft_requests: _Optional[int] = ...) -> None: ...
 
 class RecoveryDecision(_message.Message):
     __slots__ = ("request_id", "action", "reason", "migrate_seconds", "recompute_seconds", "bandwidth_bps", "kv_bytes", "tokens", "retry_after_seconds", "source_node", "target_node", "detail")

@@ -1,0 +1,108 @@
+"""The profile corrected from the host's observed TPOT (policy/calibrate.py) and its replay
+(policy.savings.HostCalibration; bench/policy_model_error.py's calibrated rows)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.policy_model_error import replay
+from policy.calibrate import CalibrationConfig, Observation, calibrated_slowdown, implied_slowdown
+from policy.profiles import load_profile
+from policy.savings import HostCalibration, auto_topologies, capacity_table
+from policy.scale import ScaleConfig
+from policy.traces import WindowSeries
+
+
+def _diurnal(days=2, W=600.0):
+    t = np.arange(0, days * 86400, W)
+    r = 100 * (1 + 0.7 * np.sin(2 * np.pi * t / 86400))
+    return WindowSeries("diurnal", W, t, r * W, np.zeros(len(t), bool))
+
+
+@pytest.mark.parametrize("s", [0.8, 1.0, 1.12, 1.5])
+def test_the_implied_slowdown_inverts_a_slowed_profile(s):
+    p = load_profile("h100x8-llama2-70b")
+    host = p.slowed(s)
+    for c in p.curves:
+        for share in (0.05, 0.4, 0.7):
+            rate = share * c.capacity_rps / s  # a load the slower host still serves
+            tpot = host.curve(c.topology).at(rate)[2]
+            assert implied_slowdown(c, rate, tpot) == pytest.approx(s, rel=2e-3)
+
+
+def test_the_implied_slowdown_says_nothing_without_an_observation_and_clamps():
+    c = load_profile("h100x8-llama2-7b").curves[0]
+    assert math.isnan(implied_slowdown(c, 1.0, math.nan))
+    assert math.isnan(implied_slowdown(c, math.nan, 0.02))
+    assert math.isnan(implied_slowdown(c, 1.0, 0.0))
+    assert implied_slowdown(c, 1.0, 1e-6) == 0.25 and implied_slowdown(c, 1.0, 100.0) == 4.0
+
+
+def _obs(at, implied, n=50):
+    return Observation(at, 1.0, 0.02, n, implied)
+
+
+def test_the_calibrated_slowdown_is_a_request_weighted_median_never_below_the_floor():
+    cfg = CalibrationConfig()
+    # too few requests in the span: the floor
+    assert calibrated_slowdown([_obs(100, 1.3, n=50)], 100, 1.0, cfg) == 1.0
+    # the weighted median (1.2 holds 120 of 200 requests), rounded to the step
+    obs = [_obs(100, 1.31, n=40), _obs(200, 1.21, n=120), _obs(300, 1.0, n=40)]
+    assert calibrated_slowdown(obs, 300, 1.0, cfg) == pytest.approx(1.2)
+    # a host faster than its profile keeps the operator's floor
+    fast = [_obs(t, 0.8) for t in (100, 200, 300)]
+    assert calibrated_slowdown(fast, 300, 1.0, cfg) == 1.0
+    assert calibrated_slowdown(fast, 300, 1.12, cfg) == 1.12
+    # windows older than the span and windows with too few requests do not count
+    old = [_obs(0, 2.0), _obs(10, 2.0), _obs(20, 2.0)] + [_obs(5000 + i, 1.1) for i in range(3)]
+    assert calibrated_slowdown(old, 5002, 1.0, cfg) == pytest.approx(1.1)
+    assert calibrated_slowdown([_obs(1, 2.0, n=10)] * 30, 1, 1.0, cfg) == 1.0
+    # at most the ceiling; off: the floor
+    assert calibrated_slowdown([_obs(1, 4.0)] * 3, 1, 1.0, CalibrationConfig(ceiling=2.0)) == 2.0
+    assert calibrated_slowdown([_obs(1, 1.5)] * 3, 1, 1.0, CalibrationConfig(enabled=False)) == 1.0
+    with pytest.raises(ValueError):
+        CalibrationConfig(step=0)
+
+
+def test_calibration_changes_nothing_when_the_profile_is_right():
+    prof, cfg, series = load_profile("h200x8-llama2-7b"), ScaleConfig(), _diurnal()
+    table = capacity_table(prof, prof.default_slo, cfg.attainment_bar)
+    rates = series.rates * (0.9 * table.best_capacity / float(np.nanmax(series.rates)))
+    scale = 0.9 * table.best_capacity / float(np.nanmax(series.rates))
+    plain = auto_topologies(series, table, rates, scale, cfg, table.fixed_best)[0]
+    cal = HostCalibration(prof, table)
+    calibrated = auto_topologies(series, table, rates, scale, cfg, table.fixed_best, cal)[0]
+    assert calibrated == plain and set(cal.slowdowns) == {1.0}
+
+
+def test_calibration_learns_a_slower_host_and_keeps_the_day():
+    prof, cfg = load_profile("h200x8-llama2-7b"), ScaleConfig()
+    blind = replay(_diurnal(), prof, 0.9, 1.0, 1.25, cfg)
+    learnt = replay(_diurnal(), prof, 0.9, 1.0, 1.25, cfg, noise=0.0)
+    noisy = replay(_diurnal(), prof, 0.9, 1.0, 1.25, cfg, noise=0.1)
+    assert learnt["calibrated_median"] == pytest.approx(1.25)
+    assert learnt["auto_worst_day"] >= 0.99 > blind["auto_worst_day"]
+    assert noisy["auto_worst_day"] >= 0.99
+    # it holds more GPUs than the blind policy: the host needs them
+    assert learnt["auto_gpu_hours_fraction"] > blind["auto_gpu_hours_fraction"]
+
+
+
+def test_serve_calibrates_by_default_and_can_be_told_not_to(monkeypatch):
+    from ops.policy_cli import _parser
+    from policy.config import PolicySettings
+    from policy.server import build_service
+    from remp.auth import Credentials
+
+    assert PolicySettings(controller="x:1").calibrate is True
+    monkeypatch.setenv("REMP_POLICY_CALIBRATE", "false")
+    assert PolicySettings(controller="x:1").calibrate is False
+    monkeypatch.delenv("REMP_POLICY_CALIBRATE")
+    args = _parser().parse_args(["serve", "--controller", "x:1", "--no-calibrate"])
+    assert args.calibrate is False
+    assert _parser().parse_args(["serve", "--controller", "x:1"]).calibrate is None
+    for on in (True, False):
+        svc, _, _ = build_service(PolicySettings(controller="127.0.0.1:1", calibrate=on,
+                                                 profile="h100x8-llama2-7b"), Credentials())
+        assert svc.calibration.enabled is on
