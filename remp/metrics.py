@@ -148,6 +148,10 @@ class PolicyMetrics:
         self.forecast_error = Gauge("remp_policy_forecast_error_ratio", "Chosen forecaster's "
                                     "rolling backtest error (mean |error| / mean rate)", ["node"],
                                     registry=registry)
+        self.slowdown = Gauge("remp_policy_profile_slowdown", "How many times slower than the "
+                              "configured profile the node's last decision took its host, "
+                              "calibrated from its observed TPOT (1: as configured)", ["node"],
+                              registry=registry)
         self.decisions = Counter("remp_policy_decisions", "Decisions made, by mode and whether "
                                  "they called for a switch", ["mode", "switch"],
                                  registry=registry)
@@ -162,6 +166,9 @@ class PolicyMetrics:
         self.decisions.labels(rec.mode, "yes" if d.switch else "no").inc()
         if math.isfinite(d.forecast_rps):
             self.forecast.labels(n.name).set(d.forecast_rps)
+        slowdown = getattr(n, "slowdown", None)
+        if isinstance(slowdown, float) and math.isfinite(slowdown):
+            self.slowdown.labels(n.name).set(slowdown)
         rate = observed_rate(n.observed, window_s, now_s)
         if rate is not None:
             self.actual.labels(n.name).set(rate)

@@ -264,6 +264,12 @@ async def test_a_host_slower_than_its_profile_is_calibrated_from_its_tpot(caplog
         [(r.decision.reason, r.decision.recommended, r.impact.profile) for r in plain]
     fast, svc2 = await _calibrated_run(0.5, 0.7)
     assert svc2.nodes["n1"].slowdown == 1.0 and {r.impact.profile for r in fast} == {"scale-test"}
+    # the gauge operators watch (the same process-wide registry the service reports to)
+    from prometheus_client import REGISTRY
+    assert REGISTRY.get_sample_value("remp_policy_profile_slowdown", {"node": "n1"}) == 1.0
+    await svc.tick(1110.0)
+    assert REGISTRY.get_sample_value("remp_policy_profile_slowdown", {"node": "n1"}) == \
+        pytest.approx(1.6)
 
 
 def test_windows_carry_the_tpot_of_the_requests_that_finished_in_them():
