@@ -106,3 +106,16 @@ def test_serve_calibrates_by_default_and_can_be_told_not_to(monkeypatch):
         svc, _, _ = build_service(PolicySettings(controller="127.0.0.1:1", calibrate=on,
                                                  profile="h100x8-llama2-7b"), Credentials())
         assert svc.calibration.enabled is on
+
+
+def test_the_policy_reads_the_heartbeats_tpot_and_drops_what_is_not_a_number():
+    from policy.controller_client import sample_of, sample_to_proto
+    from policy.service import Sample
+
+    s = Sample(100.0, 2.0, 4, 10, 20, 1, 0, tpot_s_sum=0.2, tpot_requests=4)
+    assert sample_of(sample_to_proto(s)) == s
+    for bad in (math.nan, math.inf, -1.0):
+        p = sample_to_proto(s)
+        p.tpot_seconds_sum = bad
+        got = sample_of(p)
+        assert (got.tpot_s_sum, got.tpot_requests, got.requests) == (0.0, 0, 4)
