@@ -228,6 +228,7 @@ class Window:
     topology: Topology | None
     tpot_s: float = math.nan  # mean TPOT of the requests that finished in it (NaN: none)
     tpot_requests: float = 0.0  # ... how many
+    implied: float = math.nan  # the slowdown that TPOT implies (policy.calibrate; NaN: unusable)
 
 
 @dataclass(frozen=True)
@@ -667,6 +668,7 @@ class PolicyService:
         # gpu-hours / latency: each node's profile taken as slower when its observed TPOT says so
         self.calibration = calibration or CalibrationConfig()
         self._tables: dict[tuple[tuple[Topology, ...], float], CapacityTable | str] = {}
+        self._profile_topos = frozenset(profile.topologies)
         self._switch_times: dict[str, tuple[float, ...]] = {}  # from the log, for the budget
         self.retry_backoff_s, self.max_decisions = retry_backoff_s, max_decisions
         self.follow_s = follow_s  # how long a tick waits for the switches it started
@@ -809,7 +811,12 @@ class PolicyService:
             n.last_window_s = t0
             # the topology held then: the controller's observed one now (windows read back at
             # a restart are counted on the topology the node has when they are read)
-            n.history.append(Window(t0, rate, n.view.observed, tpot, tn))
+            topo = n.view.observed
+            implied = math.nan  # calibration: a window right after a switch is not used
+            if (tn > 0 and topo in self._profile_topos and n.history
+                    and n.history[-1].topology == topo):
+                implied = implied_slowdown(self.profile.curve(topo), rate, tpot)
+            n.history.append(Window(t0, rate, topo, tpot, tn, implied))
 
     def _scorer(self, topos: tuple[Topology, ...]) -> Scorer:
         sc = self._scorers.get(topos)
@@ -852,18 +859,14 @@ class PolicyService:
     def _calibrate(self, n: _Node, now: float) -> float:
         """The node's slowdown against the profile, from the TPOT its windows of the last span
         showed (``policy.calibrate``; 1 when off or not yet observed). A window is used when
-        requests finished in it and it held the topology of the window before it."""
+        requests finished in it and it held the topology of the window before it (its implied
+        slowdown is computed once, as it is aggregated)."""
         cfg, W = self.calibration, self.window_s
         if not cfg.enabled:
             return 1.0
-        k = int(math.ceil(cfg.span_s / W)) + 2
-        tail = list(itertools.islice(reversed(n.history), k))[::-1]
-        known = set(self.profile.topologies)
-        obs = [Observation(b.t0 + W, b.rate, b.tpot_s, b.tpot_requests,
-                           implied_slowdown(self.profile.curve(b.topology), b.rate, b.tpot_s))
-               for a, b in zip([None, *tail], tail)
-               if b.topology in known and b.tpot_requests > 0
-               and (a is None or a.topology == b.topology)]
+        k = int(math.ceil(cfg.span_s / W)) + 1
+        obs = [Observation(b.t0 + W, b.rate, b.tpot_s, b.tpot_requests, b.implied)
+               for b in itertools.islice(reversed(n.history), k) if math.isfinite(b.implied)]
         s = calibrated_slowdown(obs, now, 1.0, cfg)
         if s != n.slowdown:
             log.info("policy.calibrated", node=n.name, slowdown=s, was=n.slowdown,
