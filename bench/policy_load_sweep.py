@@ -11,10 +11,6 @@ worst day falls below 99 % of fixed-best's in-SLO requests. ~1 min per GPU.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.policy_model_error import replay  # noqa: E402
+from bench.policy_model_error import grid_args, replay, write_results  # noqa: E402
 from bench.policy_savings_table import LOAD_SCALES, TUNE, grid_cases  # noqa: E402
 from policy.scale import ScaleConfig  # noqa: E402
 
@@ -31,12 +27,7 @@ SWEEP = tuple(round(float(k), 2) for k in np.arange(0.5, 1.3001, 0.05))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu", default="h100", choices=("h100", "h200"))
-    ap.add_argument("--traces", default="../shared/traces")
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    a = grid_args(__doc__, "h100")
     cfg, t0, runs = ScaleConfig(), time.time(), []
     for series, model, K, prof in grid_cases(a.traces, a.gpu):
         if K != LOAD_SCALES[0]:  # one pass per (trace, model); the sweep replaces the grid's K
@@ -63,14 +54,7 @@ def main() -> None:
         lines += ["", "Below 99 %:", ""] + [
             f"- {r['trace']} {r['model']} K = {r['K']:.2f}: {r['auto_worst_day']:.4f}"
             for r in misses]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    if a.out:
-        a.out.write_text(md)
-        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    machine=platform.node(), python=platform.python_version(),
-                    command=" ".join(sys.argv), seconds=round(time.time() - t0, 1))
-        Path(str(a.out) + ".json").write_text(json.dumps(dict(meta=meta, runs=runs), indent=1))
+    write_results(a.out, "\n".join(lines) + "\n", t0, runs=runs)
 
 
 if __name__ == "__main__":

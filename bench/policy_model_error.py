@@ -78,13 +78,29 @@ def calib(noise: float | None) -> str:
     return "off" if noise is None else f"on, noise {noise:g}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+def grid_args(doc: str, gpu: str) -> argparse.Namespace:
+    """The grid benches' command line: --gpu, --traces, --out."""
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+    ap.add_argument("--gpu", default=gpu, choices=("h100", "h200"))
     ap.add_argument("--traces", default="../shared/traces")
     ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def write_results(out: Path | None, md: str, t0: float, **payload) -> None:
+    """Print the table; with ``out``, write it there and ``out``.json (date, machine, command)."""
+    print(md)
+    if out:
+        out.write_text(md)
+        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    machine=platform.node(), python=platform.python_version(),
+                    command=" ".join(sys.argv), seconds=round(time.time() - t0, 1))
+        Path(str(out) + ".json").write_text(json.dumps(dict(meta=meta, **payload), indent=1))
+
+
+def main() -> None:
+    a = grid_args(__doc__, "h200")
     cfg = ScaleConfig()
     t0 = time.time()
     runs = []
@@ -126,15 +142,7 @@ def main() -> None:
         lines += [f"- m {r['decide_slowdown']:g}, s {r['real_slowdown']:g}, calibration "
                   f"{r['calibration']}: {r['trace']} "
                   f"{r['model']} K = {r['K']}: {r['auto_worst_day']:.4f}" for r in misses]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    if a.out:
-        a.out.write_text(md)
-        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    machine=platform.node(), python=platform.python_version(),
-                    command=" ".join(sys.argv), seconds=round(time.time() - t0, 1))
-        Path(str(a.out) + ".json").write_text(json.dumps(dict(meta=meta, summary=summary,
-                                                              runs=runs), indent=1))
+    write_results(a.out, "\n".join(lines) + "\n", t0, summary=summary, runs=runs)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,21 @@ def test_model_error_replay_counts_on_the_slower_host():
     # deciding on a 25 % optimistic model loses more than deciding on the host as it is
     assert worse["auto_worst_day"] < margin["auto_worst_day"]
     json.dumps([same, worse, margin])
+
+
+def test_load_sweep_bench_writes_its_table_and_json(tmp_path, monkeypatch, capsys):
+    import bench.policy_load_sweep as sweep
+
+    (tmp_path / "traces" / "synthetic").mkdir(parents=True)
+    write_canonical(_diurnal(), tmp_path / "traces" / "synthetic" / "diurnal.csv")
+    monkeypatch.setattr(sweep, "SWEEP", (0.6, 0.65))
+    out = tmp_path / "sweep.md"
+    monkeypatch.setattr("sys.argv", ["policy_load_sweep.py", "--gpu", "h200", "--traces",
+                                     str(tmp_path / "traces"), "--out", str(out)])
+    sweep.main()
+    md = out.read_text()
+    assert "4/4** runs keep every day" in md and "| diurnal | llama2-70b | 2/2 |" in md
+    doc = json.loads((tmp_path / "sweep.md.json").read_text())
+    assert {(r["model"], r["K"]) for r in doc["runs"]} == {
+        (m, k) for m in ("llama2-7b", "llama2-70b") for k in (0.6, 0.65)}
+    assert doc["meta"]["seconds"] >= 0 and md in capsys.readouterr().out
