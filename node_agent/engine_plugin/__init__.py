@@ -235,6 +235,15 @@ def check_internals() -> str:
                      "RequestState.__init__" for a in REQUEST_STATE_ATTRS if a not in sets]
     except (ImportError, AttributeError):
         pass  # reported above with INTERNALS
+    # the Prometheus metrics a heartbeat reads (traffic_counters): still registered by that name
+    try:
+        src = inspect.getsource(importlib.import_module("vllm.v1.metrics.loggers"))
+        problems += [f"metric {m!r} (heartbeat traffic): no longer registered by "
+                     "vllm.v1.metrics.loggers"
+                     for m in (*TRAFFIC_METRICS.values(), *TRAFFIC_GAUGES.values(),
+                               *TRAFFIC_HISTOGRAMS.values()) if f'name="{m}"' not in src]
+    except (ImportError, OSError) as exc:
+        problems.append(f"vllm.v1.metrics.loggers (heartbeat traffic metrics): {exc}")
     params = inspect.signature(_resolve("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc")).parameters
     if not {"method", "timeout", "args", "kwargs"} <= set(params):
         problems.append(f"AsyncLLM.collective_rpc signature changed: {list(params)}")

@@ -30,6 +30,15 @@ def test_a_moved_internal_fails_loudly(monkeypatch):
         engine_plugin.check_internals()
 
 
+def test_a_renamed_metric_fails_loudly(monkeypatch):
+    """The heartbeat reads vLLM's metrics by name (TPOT for the policy's calibration): a rename
+    would leave them silently 0."""
+    monkeypatch.setattr(engine_plugin, "TRAFFIC_HISTOGRAMS",
+                        {**engine_plugin.TRAFFIC_HISTOGRAMS, "tpot": "vllm:remp_renamed_tpot"})
+    with pytest.raises(engine_plugin.VllmInternalsMoved, match="vllm:remp_renamed_tpot"):
+        engine_plugin.check_internals()
+
+
 def test_general_plugin_is_registered_as_entry_point():
     from importlib.metadata import entry_points
 
