@@ -943,13 +943,17 @@ class Bench:
                     if phase == "prefill":
                         qq = randn((b, hq, s, d), dt, dev)
                         kk, vv = randn((b, hkv, s, d), dt, dev), randn((b, hkv, s, d), dt, dev)
-                        sta = self.timer.time(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True))
-                        self.result["default_choice"][f"layer {case}"] = default_choice(qq, kk, vv, True)
+                        sta = self.timer.time(lambda: F.scaled_dot_product_attention(
+                            qq, kk, vv, is_causal=True, enable_gqa=hq != hkv))
+                        self.result["default_choice"][f"layer {case}"] = default_choice(
+                            qq, kk, vv, True, enable_gqa=hq != hkv)
                     else:
                         qq = randn((b, hq, 1, d), dt, dev)
                         kk, vv = caches[0]
-                        sta = self.timer.time(lambda: F.scaled_dot_product_attention(qq, kk, vv))
-                        self.result["default_choice"][f"layer {case}"] = default_choice(qq, kk, vv)
+                        sta = self.timer.time(lambda: F.scaled_dot_product_attention(
+                            qq, kk, vv, enable_gqa=hq != hkv))
+                        self.result["default_choice"][f"layer {case}"] = default_choice(
+                            qq, kk, vv, enable_gqa=hq != hkv)
                     self._layer_row("layer_attention_default", model, tp, phase, b, s, (ctx + 1) if ctx else s,
                                     tokens, f"q{hq},kv{hkv},d{d}", sta)
                     msg += f"; attention alone {sta['median_ms']:.3f} ms/layer; eager host {host_ms:.3f} ms"

@@ -6,7 +6,9 @@ the policy's performance model says it runs (issue 16: the H100 -> H200 scaling)
 A.json and B.json are what ``bench/attention_h200.py`` wrote (attention_<tag>.json) on two GPUs,
 e.g. an H100 and an H200. Rows are matched on (what, model, TP, phase, batch, q_len, context):
 the layer's operators timed alone (``op:*``) and the layer stacks under CUDA-graph replay
-(``layer_stack_graph``). Per row: measured ratio B / A (same bench, same method, so the bench's
+(``layer_stack_graph``); attention rows are matched on (kind, heads, KV heads, batch, q_len, KV
+length, backend) and summarised per kind and backend, against the model's scaling of a measured
+attention table to another GPU (decode by the HBM bandwidth ratio, prefill unchanged). Per row: measured ratio B / A (same bench, same method, so the bench's
 own floor — L2 flush, isolated calls — cancels to first order) and the model's ratio
 (``PerfModel`` for B's GPU / for A's: Vidur's H100 operator times, each rescaled by its own
 roofline for the H200, and the attention source). Which GPU a run was on comes from its
@@ -73,6 +75,21 @@ def pair(a: dict, b: dict) -> dict:
                         context=int(x["context"]), tokens=n, a_ms=float(x["median_ms"]),
                         b_ms=float(y["median_ms"]), measured_ratio=round(meas, 4),
                         model_ratio=round(mb / ma, 4) if ma > 0 else None))
+    akey = ("kind", "q_heads", "kv_heads", "head_dim", "batch", "q_len", "kv_len", "backend")
+    aa = {tuple(r[k] for k in akey): r for r in a.get("attention", [])}
+    bw = GPUS[ga].hbm_bytes_s / GPUS[gb].hbm_bytes_s
+    ab = {tuple(r[k] for k in akey): r for r in b.get("attention", [])}
+    for k in sorted(set(aa) & set(ab), key=lambda k: tuple(str(x) for x in k)):
+        x, y = aa[k], ab[k]
+        if not (float(x["median_ms"]) > 0 and float(y["median_ms"]) > 0):
+            continue
+        out.append(dict(what=f"attention:{x['kind']}", model=f"{x['q_heads']}/{x['kv_heads']} heads",
+                        tp=0, phase=x["backend"], batch=int(x["batch"]), q_len=int(x["q_len"]),
+                        context=int(x["kv_len"]), tokens=int(x["batch"]) * int(x["q_len"]),
+                        a_ms=float(x["median_ms"]), b_ms=float(y["median_ms"]),
+                        measured_ratio=round(float(y["median_ms"]) / float(x["median_ms"]), 4),
+                        model_ratio=round(bw if x["kind"].startswith("decode") else 1.0, 4)))
+
     def side(run: dict, g: str) -> dict:
         e = run.get("env", {})
         return dict(gpu=g, gpu_name=e.get("gpu", ""), date_utc=e.get("date_utc", ""),
@@ -86,6 +103,10 @@ def summary(res: dict) -> list[dict]:
     compute-bound (>= 1024 tokens) token counts apart for the operators."""
     groups: dict[tuple, list[dict]] = {}
     for r in res["rows"]:
+        if r["what"].startswith("attention:"):
+            band = f"{r['phase']}, {'≥' if r['a_ms'] >= 0.05 else '<'} 50 µs"
+            groups.setdefault((r["what"], "all shapes", "–", band), []).append(r)
+            continue
         if r["what"].startswith("op:"):
             band = "≤64 tok" if r["tokens"] <= 64 else ("≥1024 tok" if r["tokens"] >= 1024
                                                         else None)

@@ -20,9 +20,15 @@ def test_pairing_a_run_with_itself_gives_ratio_one_and_the_models_roofline_scali
     h100["env"]["gpu"] = "NVIDIA H100 80GB HBM3"
     res = pair(h100, h200)
     assert (res["a"]["gpu"], res["b"]["gpu"]) == ("h100", "h200")
-    rows = res["rows"]
+    rows = [r for r in res["rows"] if not r["what"].startswith("attention:")]
     assert len(rows) == 9 + 72 * 4 + 36 * 4  # the 7B stack cases, every operator row
-    assert all(r["measured_ratio"] == 1.0 for r in rows)
+    assert all(r["measured_ratio"] == 1.0 for r in res["rows"])
+    # attention rows: decode scales by the HBM ratio, prefill not at all
+    att = [r for r in res["rows"] if r["what"].startswith("attention:")]
+    assert len(att) == len([r for r in h200["attention"] if r["median_ms"] > 0])
+    assert {r["model_ratio"] for r in att if r["what"] == "attention:decode"} == {0.6979}
+    assert {r["model_ratio"] for r in att if r["what"] == "attention:prefill"} == {1.0}
+    assert "| attention:decode | all shapes | – | cudnn, ≥ 50 µs |" in table_md(res)
     by = {(r["what"], r["model"], r["tp"], r["tokens"]): r["model_ratio"] for r in rows}
     assert by[("op:add", "llama2-7b", 1, 4096)] == pytest.approx(3.35 / 4.8, abs=1e-3)
     assert by[("op:mlp_up_proj", "llama2-70b", 1, 1)] == pytest.approx(3.35 / 4.8, abs=1e-3)
