@@ -18,12 +18,10 @@ import numpy as np
 import pytest
 
 import policy
-from devstack.agentproc import AgentProcess, ControllerProcess
 from remp.auth import Credentials, aio_channel
 from remp.controller.v1 import controller_pb2
 from remp.policy.v1 import policy_pb2, policy_pb2_grpc
-from remp.redisproc import RedisServer
-from tests.e2e.test_policy_e2e import PolicyProcess, ramp, until
+from tests.e2e.test_policy_e2e import policy_stack, ramp, until
 
 pytestmark = pytest.mark.e2e
 
@@ -45,15 +43,9 @@ def fast_profile_doc() -> dict:
 def stack(tiny_model, artifacts_dir, tmp_path_factory):
     prof = tmp_path_factory.mktemp("profile") / "fast.json"
     prof.write_text(json.dumps(fast_profile_doc()))
-    with RedisServer() as redis, \
-            ControllerProcess(redis.url, log_dir=artifacts_dir, lease_seconds=1.5,
-                              name="ctl-calibration-e2e") as ctl, \
-            AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node=NODE,
-                         extra=["--controller", ctl.addr]) as agent, \
-            PolicyProcess(["--controller", ctl.addr, "--profile", str(prof),
-                           "--mode", "advisory", "--objective", "gpu-hours",
-                           "--tick-seconds", "1", "--window-seconds", "10"],
-                          artifacts_dir / "policy-calibration-e2e.log") as pol:
+    with policy_stack(tiny_model, artifacts_dir, prof, NODE, "policy-calibration-e2e",
+                      ["--mode", "advisory", "--objective", "gpu-hours", "--tick-seconds", "1",
+                       "--window-seconds", "10"]) as (ctl, agent, pol):
         yield ctl, agent, pol, prof
 
 

@@ -13,12 +13,14 @@ The profile is synthetic (its capacities are scaled so the flip happens at ≈1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -125,23 +127,32 @@ async def until(pred, timeout: float, what: str):
     raise TimeoutError(what)
 
 
+@contextlib.contextmanager
+def policy_stack(tiny_model, artifacts_dir, profile: Path, node: str, name: str,
+                 policy_args: list[str], decisions_in_redis: bool = False):
+    """Redis, a controller, a TP2PP1 agent on vLLM CPU and ``remp policy serve`` on ``profile``
+    (its log: ``<name>.log``); yields (controller, agent, policy)."""
+    with RedisServer() as redis, \
+            ControllerProcess(redis.url, log_dir=artifacts_dir, lease_seconds=1.5,
+                              name=f"ctl-{name}") as ctl, \
+            AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node=node,
+                         extra=["--controller", ctl.addr]) as agent, \
+            PolicyProcess(["--controller", ctl.addr, "--profile", str(profile),
+                           *(["--redis-url", redis.url] if decisions_in_redis else []),
+                           *policy_args], artifacts_dir / f"{name}.log") as pol:
+        yield ctl, agent, pol
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model, artifacts_dir, tmp_path_factory):
     prof = tmp_path_factory.mktemp("profile") / "flip.json"
     prof.write_text(json.dumps(flip_profile_doc()))
-    with RedisServer() as redis, \
-            ControllerProcess(redis.url, log_dir=artifacts_dir, lease_seconds=1.5,
-                              name="ctl-policy-e2e") as ctl, \
-            AgentProcess(tiny_model, tp=2, pp=1, log_dir=artifacts_dir, node=NODE,
-                         extra=["--controller", ctl.addr]) as agent, \
-            PolicyProcess(["--controller", ctl.addr, "--profile", str(prof),
-                           "--redis-url", redis.url, "--mode", "advisory",
-                           "--objective", "goodput",
-                           "--tick-seconds", "1", "--window-seconds", "2",
-                           "--horizon-seconds", "10", "--min-dwell-seconds", "0",
-                           "--retry-backoff-seconds", "2"],
-                          artifacts_dir / "policy-e2e.log") as pol:
-        yield ctl, agent, pol
+    with policy_stack(tiny_model, artifacts_dir, prof, NODE, "policy-e2e",
+                      ["--mode", "advisory", "--objective", "goodput", "--tick-seconds", "1",
+                       "--window-seconds", "2", "--horizon-seconds", "10",
+                       "--min-dwell-seconds", "0", "--retry-backoff-seconds", "2"],
+                      decisions_in_redis=True) as s:
+        yield s
 
 
 async def test_advisory_then_auto_on_a_ramp(stack):
