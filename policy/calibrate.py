@@ -50,14 +50,13 @@ class CalibrationConfig:
 
 @dataclass(frozen=True)
 class Observation:
-    """One window as the host served it: its end (s), rate (req/s), the mean TPOT of the requests
-    that finished in it (s) and how many there were."""
+    """One window as the host served it: its end (s), how many requests finished in it, and the
+    slowdown their mean TPOT implies (:func:`implied_slowdown` against the base profile; NaN: not
+    determinable)."""
 
     at_s: float
-    rate: float
-    tpot_s: float
     requests: float
-    implied: float  # implied_slowdown against the base profile (NaN: not determinable)
+    implied: float
 
 
 def implied_slowdown(curve: TopologyCurve, rate: float, tpot_s: float) -> float:

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policy.calibrate import CalibrationConfig, Observation, calibrated_slowdown, implied_slowdown
+from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile,
+                              calibrated_slowdown, implied_slowdown)
 from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
@@ -567,13 +568,14 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
                 tpot = cal.host.tpot_s(prev, float(rates[w - 1]))
                 if cal.noise > 0:
                     tpot *= math.exp(cal.noise * float(rng.standard_normal()))
-                observed.append(Observation(end, float(rates[w - 1]), tpot, float(rates[w - 1]) * W,
+                observed.append(Observation(end, float(rates[w - 1]) * W,
                                             implied_slowdown(cal.base.curve(prev),
                                                              float(rates[w - 1]), tpot)))
             s_now = calibrated_slowdown(observed, end, cal.floor, cal.cfg)
             if s_now != eff:
                 if s_now not in tables:
-                    tables[s_now] = CapacityTable(cal.base.slowed(s_now), table.slo, cfg.attainment_bar)
+                    tables[s_now] = CapacityTable(calibrated_profile(cal.base, s_now), table.slo,
+                                                  cfg.attainment_bar)
                 eff, table = s_now, tables[s_now]
                 gfull = table.scorer.goodput_rps(table.fixed_best, r0) * W
             gbest[w - 1] = gfull[w - 1]

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from policy.calibrate import CalibrationConfig
 from policy.config import PolicySettings
 from policy.controller_client import GrpcController
 from policy.profiles import SLO, load_profile
 from policy.service import PolicyService
-from policy.calibrate import CalibrationConfig
 from policy.servicer import PolicyServicer
 from policy.store import RedisDecisionStore
 from remp import logs, metrics

@@ -865,7 +865,7 @@ class PolicyService:
         if not cfg.enabled:
             return 1.0
         k = int(math.ceil(cfg.span_s / W)) + 1
-        obs = [Observation(b.t0 + W, b.rate, b.tpot_s, b.tpot_requests, b.implied)
+        obs = [Observation(b.t0 + W, b.tpot_requests, b.implied)
                for b in itertools.islice(reversed(n.history), k) if math.isfinite(b.implied)]
         s = calibrated_slowdown(obs, now, 1.0, cfg)
         if s != n.slowdown:

@@ -161,14 +161,13 @@ class PolicyMetrics:
 
     def decided(self, n, rec, window_s: float, now_s: float) -> None:
         """Hook: the policy made a decision ``rec`` for node ``n`` (``PolicyService._tick_node``;
-        ``n`` has ``name``, ``observed`` samples and the forecaster ``chooser``)."""
+        ``n`` has ``name``, ``observed`` samples, the forecaster ``chooser`` and the calibrated
+        profile ``slowdown``)."""
         d = rec.decision
         self.decisions.labels(rec.mode, "yes" if d.switch else "no").inc()
         if math.isfinite(d.forecast_rps):
             self.forecast.labels(n.name).set(d.forecast_rps)
-        slowdown = getattr(n, "slowdown", None)
-        if isinstance(slowdown, float) and math.isfinite(slowdown):
-            self.slowdown.labels(n.name).set(slowdown)
+        self.slowdown.labels(n.name).set(n.slowdown)
         rate = observed_rate(n.observed, window_s, now_s)
         if rate is not None:
             self.actual.labels(n.name).set(rate)

@@ -40,7 +40,7 @@ def test_the_implied_slowdown_says_nothing_without_an_observation_and_clamps():
 
 
 def _obs(at, implied, n=50):
-    return Observation(at, 1.0, 0.02, n, implied)
+    return Observation(at, n, implied)
 
 
 def test_the_calibrated_slowdown_is_a_request_weighted_median_never_below_the_floor():
