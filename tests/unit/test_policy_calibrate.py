@@ -119,3 +119,22 @@ def test_the_policy_reads_the_heartbeats_tpot_and_drops_what_is_not_a_number():
         p.tpot_seconds_sum = bad
         got = sample_of(p)
         assert (got.tpot_s_sum, got.tpot_requests, got.requests) == (0.0, 0, 4)
+
+
+def test_the_controller_keeps_a_heartbeats_garbage_tpot_as_it_came_and_the_policy_drops_it():
+    """The TPOT fields are numbers from an authenticated agent (Heartbeat needs the agent role):
+    NaN / infinite / negative sums survive the controller's stored JSON unchanged, and the policy
+    reads them as "no TPOT" rather than failing."""
+    from controller import model as m
+    from controller.convert import from_json, to_json, to_proto
+    from policy.controller_client import sample_of
+
+    for bad in (math.nan, math.inf, -3.0):
+        t = m.TrafficSample(window_seconds=1.0, requests=2, tpot_seconds_sum=bad, tpot_requests=2,
+                            ttft_seconds_sum=bad, ttft_requests=2)
+        back = from_json(to_json(t), m.TrafficSample)
+        assert back.requests == 2 and back.tpot_requests == 2
+        assert (math.isnan(back.tpot_seconds_sum) if math.isnan(bad)
+                else back.tpot_seconds_sum == bad)
+        got = sample_of(to_proto(back))
+        assert (got.requests, got.tpot_s_sum, got.tpot_requests) == (2, 0.0, 0)
