@@ -340,6 +340,10 @@ def check_engine_build(version_of=importlib.metadata.version) -> None:
 def resolve(settings: AgentSettings) -> ResolvedAgentConfig:
     """Check every setting; raise ConfigError naming the first problem."""
     check_engine_build()
+    if os.environ.get("VLLM_PP_LAYER_PARTITION") is not None:
+        raise ConfigError("VLLM_PP_LAYER_PARTITION is set: remp lays pipeline stages out as vLLM "
+                          "does by default, since one fixed partition cannot serve every PP a "
+                          "switch may pick (vLLM rejects it for any other PP); unset it")
     if bool(settings.tls_cert) != bool(settings.tls_key) or (
             settings.tls_client_ca and not settings.tls_cert):
         raise ConfigError("TLS needs both tls_cert and tls_key (tls_client_ca needs them too)")

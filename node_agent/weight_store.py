@@ -14,6 +14,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from remp.topology import stage_range
+
 
 @dataclass
 class WeightStore:
@@ -86,7 +88,7 @@ def llama_shard_pieces(cfg: dict, tp: int, pp: int, rank: int
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
     hd = h // nh
-    if nh % tp or nkv % tp or L % pp or inter % tp or vocab % tp:
+    if nh % tp or nkv % tp or not 1 <= pp <= L or inter % tp or vocab % tp:
         raise ValueError(f"TP{tp}PP{pp} does not evenly split this model")
     stage, r = divmod(rank, tp)
     q, kv, i, v = nh * hd // tp, nkv * hd // tp, inter // tp, vocab // tp
@@ -96,8 +98,7 @@ def llama_shard_pieces(cfg: dict, tp: int, pp: int, rank: int
         params["model.embed_tokens.weight"] = (v, h)
         emb = "model.embed_tokens.weight"
         pieces.append(ShardPiece(emb, 0, r * v, v, emb))
-    per = L // pp
-    for ly in range(stage * per, (stage + 1) * per):
+    for ly in stage_range(L, pp, stage):
         pre = f"model.layers.{ly}."
         qkv, o = pre + "self_attn.qkv_proj.weight", pre + "self_attn.o_proj.weight"
         gate_up, down = pre + "mlp.gate_up_proj.weight", pre + "mlp.down_proj.weight"

@@ -52,7 +52,7 @@ from typing import Protocol
 
 import numpy as np
 
-from remp.topology import ModelShape, Topology, candidate_topologies
+from remp.topology import ModelShape, Topology, candidate_topologies, max_stage_layers
 
 PERFDATA = Path(__file__).resolve().parent / "perfdata"
 VIDUR_DIR = PERFDATA / "vidur" / "h100"
@@ -115,9 +115,16 @@ class ModelSpec:
     def kv_heads_per_rank(self, tp: int) -> float:
         return max(1.0, self.kv_heads / tp)
 
+    def stage_layers(self, pp: int) -> int:
+        """The most layers a stage holds (vLLM's layout, ``remp.topology.stage_layers``: stages
+        differ by one layer when PP does not divide the layers): the stage that bounds a
+        pipeline round, a rank's weights and its KV per token."""
+        return max_stage_layers(self.layers, pp)
+
     def kv_bytes_per_token(self, tp: int, pp: int) -> float:
-        """KV bytes one token occupies on one rank (its stage's layers, its heads)."""
-        return (self.layers / pp) * 2 * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+        """KV bytes one token occupies on the fullest rank (its stage's layers, its heads): block
+        ids are global, so that rank bounds every rank's block count."""
+        return self.stage_layers(pp) * 2 * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
 
 
 LLAMA2_7B = ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, "llama2-7b")
@@ -419,9 +426,10 @@ class PerfModel:
 
     def stage_ms(self, topo: Topology, decode_batch: float, ctx: float, prefill_tokens: float,
                  prefill_ctx: float | None = None) -> float:
-        """One engine step of one micro-batch on one pipeline stage (the last stage: + LM head)."""
+        """One engine step of one micro-batch on the slowest pipeline stage (the one with the
+        most layers; the last stage's LM head and the first's embedding spread over the round)."""
         n = decode_batch + prefill_tokens
-        t = (self.m.layers / topo.pp) * self.layer_ms(topo.tp, decode_batch, ctx, prefill_tokens, prefill_ctx)
+        t = self.m.stage_layers(topo.pp) * self.layer_ms(topo.tp, decode_batch, ctx, prefill_tokens, prefill_ctx)
         t += self.lm_head_ms(topo.tp, max(decode_batch, 1.0)) / topo.pp  # spread: once per round
         t += self.op_ms_emb(topo.tp, n) / topo.pp
         if topo.pp > 1:
@@ -442,7 +450,11 @@ class PerfModel:
 
     # ---- memory ----
     def weights_per_rank_bytes(self, topo: Topology) -> float:
-        return self.m.params * self.m.dtype_bytes / topo.world_size
+        """The fullest rank's weights: its stage's layers and a share of the embedding and LM
+        head (``params / world`` when PP divides the layers)."""
+        m = self.m
+        per_stage = m.stage_layers(topo.pp) * m.layer_params + 2 * m.vocab * m.hidden / topo.pp
+        return per_stage * m.dtype_bytes / topo.tp
 
     def kv_tokens(self, topo: Topology) -> float:
         """KV cache capacity in tokens (every rank holds its heads of its stage's layers)."""
@@ -455,7 +467,7 @@ class PerfModel:
     def fits(self, topo: Topology) -> bool:
         per_seq = self.req.input_tokens + self.req.output_tokens
         return (self.kv_tokens(topo) >= 4 * per_seq and self.m.heads % topo.tp == 0
-                and self.m.layers % topo.pp == 0 and topo.tp in self.ops.ms)
+                and topo.pp <= self.m.layers and topo.tp in self.ops.ms)
 
     def max_running(self, topo: Topology) -> float:
         return min(self.e.max_num_seqs, self.kv_tokens(topo) / (self.req.input_tokens + self.req.output_tokens))

@@ -26,7 +26,9 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
 - **Scale up at once** (no dwell, never held by the budget) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s`` (the largest when this is the
   rolling day's last switch).
-- **Scale down** (one world-size step at a time with ``step_down``) when a smaller one qualifies,
+- **Scale down** (with ``step_down``, to no fewer GPUs than ``step_ratio`` x those held, or the
+  next smaller world size when none lies between: 8 -> 6 -> 5 -> 4 -> 3 -> 2 -> 1 on a host with
+  every world size, 8 -> 4 -> 2 -> 1 on one with 1, 2, 4, 8) when a smaller one qualifies,
   after the dwell (max(``min_dwell_s``, ``min_dwell_windows`` windows)), after a warm-up of as many
   observed windows in a row as the recent span (at the start and after a gap), with one switch of
   the rolling-24-h budget kept for a scale-up, and when the saving over the forecast mean's run
@@ -91,6 +93,8 @@ class ScaleConfig:
     min_dwell_windows: int = 2  # the dwell is at least this many windows
     step_down: bool = True  # a scale-down releases one world-size step at a time
     bet_growth: float = 0.1  # the bet above is at the recent peak x (1 + this): the next window may rise
+    step_ratio: float = 0.7  # with step_down, a scale-down goes no lower than this x the GPUs held
+    #                          (or the next smaller world size, when none lies between)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -98,9 +102,9 @@ class ScaleConfig:
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
-                and self.quiet_budget_max >= 1 and self.bet_growth >= 0):
+                and self.quiet_budget_max >= 1 and self.bet_growth >= 0 and 0 < self.step_ratio <= 1):
             raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0, "
-                             "quiet_budget_max >= 1, bet_growth >= 0")
+                             "quiet_budget_max >= 1, bet_growth >= 0, 0 < step_ratio <= 1")
         if not (self.headroom >= 1.0 and 0 < self.band_quantile < 1 and self.min_dwell_s >= 0
                 and self.max_switches_per_day >= 1 and self.floor_rps >= 0 and 0 < self.attainment_bar <= 1):
             raise ValueError("headroom >= 1, 0 < band_quantile < 1, dwell >= 0, budget >= 1, "
@@ -440,7 +444,9 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         return out(cur, "hold-warmup", f"{tgt} may fit, but only {seen} of {need_n} recent windows observed in a row",
                    0.0, "gpu-hours", 1, n_now)
     if cfg.step_down:
-        step = max(t.world_size for t in table.order if t.world_size < cur.world_size)
+        below = [t.world_size for t in table.order if t.world_size < cur.world_size]
+        within = [w for w in below if w >= cfg.step_ratio * cur.world_size]
+        step = max(tgt.world_size, min(within) if within else max(below))
         # the highest-capacity one of that size that itself qualifies (a higher SLO capacity does
         # not always mean a lower expected loss past it)
         fits = [t for t in table.order if t.world_size == step and qualifies(t, now)]

@@ -1,7 +1,8 @@
 """The 2D migration plan (pure): who owns each (layer, KV head) before and after a switch.
 
-Rank g of topology TP×PP owns layer ℓ and KV head h when g = s·TP + r with
-s = ⌊ℓ / (L/PP)⌋ (pipeline stage) and r = ⌊h / (H/TP)⌋ (tensor rank) — vLLM's rank order.
+Rank g of topology TP×PP owns layer ℓ and KV head h when g = s·TP + r with s the pipeline stage
+whose layers hold ℓ (:func:`remp.topology.stage_layers`, vLLM's layout: L/PP each, uneven when
+PP does not divide L) and r = ⌊h / (H/TP)⌋ (tensor rank) — vLLM's rank order.
 A switch moves, for every layer, each contiguous head range whose owner changes; ranges whose
 owner stays are local copies (same rank, possibly another layer slot or head offset). Slices are
 keyed by block id: vLLM block ids are global, identical on every rank.
@@ -9,9 +10,10 @@ keyed by block id: vLLM block ids are global, identical on every rank.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
-from remp.topology import Topology
+from remp.topology import Topology, max_stage_layers, stage_range, stage_starts
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,21 @@ class RankView:
     num_kv_heads: int
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.num_layers // self.topo.pp
+    def max_layers_per_stage(self) -> int:
+        """The most layers a stage holds (stages differ by one when PP does not divide L): a
+        rank's share of a block is at most this many layers × its KV heads."""
+        return max_stage_layers(self.num_layers, self.topo.pp)
+
+    @property
+    def stage_starts(self) -> tuple[int, ...]:
+        return stage_starts(self.num_layers, self.topo.pp)
 
     @property
     def heads_per_rank(self) -> int:
         return self.num_kv_heads // self.topo.tp
 
     def owner(self, layer: int, head: int) -> int:
-        stage = layer // self.layers_per_stage
+        stage = bisect_right(self.stage_starts, layer) - 1
         return stage * self.topo.tp + head // self.heads_per_rank
 
     def stage_of(self, rank: int) -> int:
@@ -60,8 +68,7 @@ class RankView:
         return rank % self.topo.tp
 
     def layers_of(self, rank: int) -> range:
-        s = self.stage_of(rank)
-        return range(s * self.layers_per_stage, (s + 1) * self.layers_per_stage)
+        return stage_range(self.num_layers, self.topo.pp, self.stage_of(rank))
 
     def heads_of(self, rank: int) -> range:
         r = self.tp_rank_of(rank)
@@ -72,8 +79,9 @@ class RankView:
 
 
 def check_shape(topo: Topology, num_layers: int, num_kv_heads: int) -> None:
-    if num_layers % topo.pp or num_kv_heads % topo.tp:
-        raise ValueError(f"{topo} does not evenly split {num_layers} layers × {num_kv_heads} KV heads")
+    if not 1 <= topo.pp <= num_layers or num_kv_heads % topo.tp:
+        raise ValueError(f"{topo} cannot split {num_layers} layers × {num_kv_heads} KV heads "
+                         "(TP must divide the KV heads, PP be at most the layers)")
 
 
 def migration_plan(old: Topology, new: Topology, num_layers: int, num_kv_heads: int) -> list[Slice]:
@@ -101,7 +109,7 @@ def remote_moves(old: Topology, new: Topology, num_layers: int,
     a = RankView(old, num_layers, num_kv_heads)
     b = RankView(new, num_layers, num_kv_heads)
     cuts = _cuts(num_kv_heads, a.heads_per_rank, b.heads_per_rank)
-    bounds = _cuts(num_layers, a.layers_per_stage, b.layers_per_stage)
+    bounds = sorted({*a.stage_starts, *b.stage_starts})
     grouped: dict[tuple[int, int, int, int], list[int]] = {}
     for l0, l1 in zip(bounds, bounds[1:]):
         for lo, hi in zip(cuts, cuts[1:]):
@@ -120,7 +128,7 @@ def layer_order(old: Topology, new: Topology, num_layers: int) -> list[int]:
     """The order layers migrate in: interleaved across pipeline stages so each rank alternates
     between layers it gains and layers it releases — peak extra memory stays about one per-rank
     layer instead of accumulating several new layers before the old ones are released."""
-    g = min(num_layers // old.pp, num_layers // new.pp)
+    g = max(1, min(num_layers // old.pp, num_layers // new.pp))
     return sorted(range(num_layers), key=lambda ly: (ly % g, ly))
 
 

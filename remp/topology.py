@@ -2,14 +2,20 @@
 
 A topology is TP x PP for one model replica on one host. It is valid for a model when TP divides
 both the attention heads and the KV heads (each rank owns whole KV heads, so the 2D KV migration is
-a pure head slice) and PP divides the layers (each stage owns L/PP consecutive layers), and it fits
-the host when TP*PP <= devices.
+a pure head slice) and every pipeline stage gets at least one layer (PP <= layers), and it fits the
+host when TP*PP <= devices.
+
+Stages own consecutive layers laid out as vLLM 0.32 lays them out (:func:`stage_layers`): L // PP
+each, and when PP does not divide L the remainder one more each on the stages just before the
+last (the last holds the final norm and LM head, the first the embedding). So world 3, 6 and 7
+(PP3, TP2PP3, PP7) exist for 32- and 80-layer models too.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 _TOPO_RE = re.compile(r"^\s*TP\s*(\d+)\s*[xX×]?\s*PP\s*(\d+)\s*$", re.IGNORECASE)
 
@@ -62,11 +68,46 @@ def topology_problems(topo: Topology, shape: ModelShape, devices: int) -> list[s
         )
     if shape.num_kv_heads % topo.tp:
         problems.append(f"{topo}: TP={topo.tp} does not divide the {shape.num_kv_heads} KV heads")
-    if shape.num_layers % topo.pp:
-        problems.append(f"{topo}: PP={topo.pp} does not divide the {shape.num_layers} layers")
+    if topo.pp > shape.num_layers:
+        problems.append(f"{topo}: PP={topo.pp} is more stages than the {shape.num_layers} layers")
     if topo.world_size > devices:
         problems.append(f"{topo}: TP*PP={topo.world_size} is more than the {devices} devices")
     return problems
+
+
+@lru_cache(maxsize=256)
+def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers of each pipeline stage, first to last: vLLM 0.32's ``get_pp_indices`` without
+    ``VLLM_PP_LAYER_PARTITION`` (the agent refuses that variable: one fixed partition cannot
+    serve every PP a switch may pick). ``L // PP`` each; a remainder ``x`` adds one layer to each
+    of the ``x`` stages before the last, counted back from it."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"PP={pp} cannot split {num_layers} layers")
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    return tuple(parts)
+
+
+@lru_cache(maxsize=256)
+def stage_starts(num_layers: int, pp: int) -> tuple[int, ...]:
+    """First layer of each stage, then ``num_layers``: stage ``s`` owns layers
+    ``[starts[s], starts[s + 1])``."""
+    out = [0]
+    for n in stage_layers(num_layers, pp):
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def stage_range(num_layers: int, pp: int, stage: int) -> range:
+    """The global layers pipeline stage ``stage`` owns."""
+    starts = stage_starts(num_layers, pp)
+    return range(starts[stage], starts[stage + 1])
+
+
+def max_stage_layers(num_layers: int, pp: int) -> int:
+    """The most layers any stage holds: what bounds a rank's weights and per-block KV."""
+    return max(stage_layers(num_layers, pp))
 
 
 def candidate_topologies(shape: ModelShape, devices: int) -> list[Topology]:

@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from remp.topology import Topology
+from remp.topology import Topology, stage_range
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 EMBED, FINAL = "model.embed_tokens.weight", "model.norm.weight"
@@ -141,8 +141,8 @@ class Piece:
 
 def check_topology(shape: WeightShape, topo: Topology) -> None:
     problems = []
-    if shape.num_layers % topo.pp:
-        problems.append(f"PP{topo.pp} does not divide {shape.num_layers} layers")
+    if not 1 <= topo.pp <= shape.num_layers:
+        problems.append(f"PP{topo.pp} is more stages than the {shape.num_layers} layers")
     for what, n in (("attention heads", shape.num_attention_heads),
                     ("KV heads", shape.num_kv_heads),
                     ("intermediate size", shape.intermediate_size),
@@ -179,8 +179,7 @@ def shard(shape: WeightShape, topo: Topology, rank: int
 
     if stage == 0:
         vocab(EMBED, -1)
-    per = L // topo.pp
-    for ly in range(stage * per, (stage + 1) * per):
+    for ly in stage_range(L, topo.pp, stage):
         pre = f"model.layers.{ly}."
         qkv, o = pre + "self_attn.qkv_proj.weight", pre + "self_attn.o_proj.weight"
         gate_up, down = pre + "mlp.gate_up_proj.weight", pre + "mlp.down_proj.weight"

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ INTERNALS: list[tuple[str, str, str]] = [
     ("vllm.distributed.parallel_state", "_EP", "group globals swapped at MPU_APPLIED"),
     ("vllm.distributed.parallel_state", "_ETP", "group globals swapped at MPU_APPLIED"),
     ("vllm.config", "set_current_vllm_config", "model construction context"),
+    ("vllm.distributed.utils", "get_pp_indices",
+     "the layers of a pipeline stage (remp.topology.stage_layers mirrors it; checked at start)"),
     ("vllm.model_executor.models.utils", "extract_layer_index", "global layer of a KV tensor"),
     ("vllm.model_executor.model_loader", "register_model_loader", "shared-memory weight store"),
     ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader", "weight store loader"),
@@ -244,12 +247,39 @@ def check_internals() -> str:
                                *TRAFFIC_HISTOGRAMS.values()) if f'name="{m}"' not in src]
     except (ImportError, OSError) as exc:
         problems.append(f"vllm.v1.metrics.loggers (heartbeat traffic metrics): {exc}")
+    problems += pp_layout_problems()
     params = inspect.signature(_resolve("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc")).parameters
     if not {"method", "timeout", "args", "kwargs"} <= set(params):
         problems.append(f"AsyncLLM.collective_rpc signature changed: {list(params)}")
     if problems:
         raise VllmInternalsMoved("; ".join(problems))
     return vllm.__version__
+
+
+def pp_layout_problems(max_layers: int = 96, max_pp: int = 8) -> list[str]:
+    """remp plans weights and KV with :func:`remp.topology.stage_layers`; vLLM builds each stage
+    with ``get_pp_indices``. They must agree for every (layers, PP) a switch can reach, or a
+    rank would load one layer and migrate another (``VLLM_PP_LAYER_PARTITION``, which would
+    change vLLM's side, is refused by the agent's configuration: node_agent.config.resolve)."""
+    from remp.topology import stage_starts
+
+    try:
+        get_pp_indices = _resolve("vllm.distributed.utils", "get_pp_indices")
+    except (ImportError, AttributeError):
+        return []  # reported with INTERNALS
+    log = logging.getLogger("vllm.distributed.utils")  # it logs every uneven layout it makes
+    was, log.disabled = log.disabled, True
+    try:
+        for layers in range(1, max_layers + 1):
+            for pp in range(1, min(layers, max_pp) + 1):
+                starts = stage_starts(layers, pp)
+                theirs = [tuple(get_pp_indices(layers, s, pp)) for s in range(pp)]
+                if theirs != [(starts[s], starts[s + 1]) for s in range(pp)]:
+                    return [f"vllm.distributed.utils.get_pp_indices lays {layers} layers over "
+                            f"PP{pp} as {theirs}, remp.topology.stage_layers as {starts}"]
+    finally:
+        log.disabled = was
+    return []
 
 
 def _resolve(module: str, attr: str) -> Any:

@@ -133,14 +133,15 @@ def _remp_sw_activate(self, tp: int, pp: int, fault: str) -> list:
 
 
 def _units_per_block(self, tp: int, pp: int) -> int:
-    """A block's per-rank size in (layer, KV head) units: what a topology change rescales."""
+    """A block's per-rank size in (layer, KV head) units: what a topology change rescales. With
+    uneven pipeline stages the rank holding the most layers sets it (block ids are global)."""
     from remp.kvplan import RankView
     from remp.topology import Topology
 
     hf = self.vllm_config.model_config.hf_text_config
     view = RankView(Topology(tp, pp), hf.num_hidden_layers,
                     getattr(hf, "num_key_value_heads", hf.num_attention_heads))
-    return view.layers_per_stage * view.heads_per_rank
+    return view.max_layers_per_stage * view.heads_per_rank
 
 
 def _request_blocks(self, req) -> list[int]:

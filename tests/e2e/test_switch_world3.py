@@ -1,8 +1,10 @@
-"""A world that does not divide the engine's: a 12-layer tiny Llama on 4 CPU workers, switched in
-place with requests mid-decode TP2PP2 → TP1PP3 (world 3, rank 3 STANDBY) → TP2PP2, token-exact in
-fp32 against an uninterrupted run, the weights resharded peer to peer (nothing read from the host
-store) and every new shard checked bit for bit. (On 8 GPUs the same path gives an 80-layer model
-TP1PP5.)"""
+"""A world that does not divide the engine's, with pipeline stages that do not divide the layers: a
+10-layer tiny Llama on 4 CPU workers, switched in place with requests mid-decode TP2PP2 (stages of
+5 and 5 layers) → TP1PP3 (world 3, rank 3 STANDBY; stages 3, 4, 3 — vLLM's layout) → TP1PP4
+(stages 2, 3, 3, 2; rank 3 wakes) → TP2PP2, token-exact in fp32 against an uninterrupted run,
+the weights resharded peer to peer (nothing read from the host store) and every new shard
+checked bit for bit. (On 8 GPUs the same paths give an 80-layer model TP1PP5, and a 32- or
+80-layer one TP1PP3, TP2PP3 and TP1PP7.)"""
 
 import asyncio
 
@@ -17,12 +19,12 @@ pytestmark = pytest.mark.e2e
 
 PROMPTS = [prompt(i, 140) for i in range(2)]
 MAX_TOKENS = 64
-ROUTE = [(2, 2), (1, 3), (2, 2)]
+ROUTE = [(2, 2), (1, 3), (1, 4), (2, 2)]
 
 
 def test_world_three_on_four_workers_token_exact(tmp_path_factory, artifacts_dir, reaper):
-    model = make_model(tmp_path_factory.mktemp("model12") / "tiny-llama-12l",
-                       TinyLlamaSpec(num_layers=12))
+    model = make_model(tmp_path_factory.mktemp("model10") / "tiny-llama-10l",
+                       TinyLlamaSpec(num_layers=10))
     a = AgentProcess(model, tp=2, pp=2, dtype="float32", log_dir=artifacts_dir, node="e2e-world3",
                      extra=["--devices", "4", "--weight-reshard", "p2p", "--verify-weights"],
                      env={"REMP_AGENT_ENABLE_FAULT_INJECTION": "1"})

@@ -33,7 +33,7 @@ def test_dtype_auto_is_the_checkpoint_dtype(model):
 @pytest.mark.parametrize("kw,msg", [
     ({"tp": 3}, "TP=3 does not divide the 8 attention heads"),
     ({"tp": 8, "devices": 8}, "TP=8 does not divide the 4 KV heads"),
-    ({"pp": 3}, "PP=3 does not divide the 4 layers"),
+    ({"pp": 5, "devices": 8}, "PP=5 is more stages than the 4 layers"),
     ({"tp": 2, "pp": 2, "devices": 2}, "TP*PP=4 is more than the 2 devices"),
     ({"candidates": ["TP3PP1"]}, "candidate TP3PP1 is not valid"),
     ({"candidates": ["bogus"]}, "invalid topology 'bogus'"),
@@ -43,6 +43,19 @@ def test_resolve_rejects(model, kw, msg):
     with pytest.raises(ConfigError, match=msg.replace("*", r"\*")) as e:
         resolve(settings(model, **kw))
     assert "\n" not in str(e.value)
+
+
+def test_uneven_pipeline_stages_are_valid(model):
+    """4 layers over PP3: vLLM's layout [1, 2, 1]; world 3 runs on 4 workers, rank 3 parked."""
+    cfg = resolve(settings(model, tp=1, pp=3))
+    assert cfg.topology == Topology(1, 3) and Topology(1, 3) in cfg.candidates
+    assert cfg.engine_topology.world_size == 4
+
+
+def test_a_fixed_vllm_layer_partition_is_refused(model, monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,2")
+    with pytest.raises(ConfigError, match="VLLM_PP_LAYER_PARTITION is set"):
+        resolve(settings(model, tp=2, pp=2))
 
 
 def test_valid_targets_named(model):
@@ -94,11 +107,12 @@ def test_engine_starts_the_largest_candidate_world(model):
     cfg = resolve(settings(model, tp=1, pp=1))
     assert cfg.topology == Topology(1, 1)
     assert cfg.engine_topology.world_size == 4 and cfg.engine_topology in cfg.candidates
-    assert {t.world_size for t in cfg.candidates} == {1, 2, 4}
+    assert {t.world_size for t in cfg.candidates} == {1, 2, 3, 4}  # PP3: layers [1, 2, 1]
     assert len(cfg.cpu_binds) == 4  # one CPU set per worker process
-    # 3 devices: no world-3 topology is valid for this model (8 heads, 4 layers), so 2 workers
+    # 3 devices: TP1PP3 (layers [1, 2, 1]) is the largest world, so 3 workers
     cfg3 = resolve(settings(model, tp=1, pp=1, devices=3))
-    assert cfg3.engine_topology.world_size == 2 and all(t.world_size in (1, 2) for t in cfg3.candidates)
+    assert cfg3.engine_topology == Topology(1, 3)
+    assert {t.world_size for t in cfg3.candidates} == {1, 2, 3}
 
 
 def test_a_world_that_does_not_divide_the_engines_is_a_candidate(tmp_path):

@@ -93,18 +93,34 @@ def test_measured_attention_plugs_in(tmp_path):
     assert "measured-h200" in prof.notes
 
 
+def test_uneven_stages_cost_their_fullest_stage():
+    """PP3 of 32 layers (11/11/10): the round, the weights and the KV per token are those of the
+    11-layer stage, so it lies between PP2 and PP4 per GPU and never beats 32/3 exactly."""
+    pm = PerfModel(LLAMA2_7B, H100, BoundAttention(H100))
+    assert pm.m.stage_layers(3) == 11 and pm.m.stage_layers(4) == 8
+    assert pm.m.kv_bytes_per_token(1, 3) == pytest.approx(11 / 8 * pm.m.kv_bytes_per_token(1, 4))
+    assert pm.weights_per_rank_bytes(Topology(1, 4)) == pytest.approx(
+        pm.m.params * pm.m.dtype_bytes / 4)
+    w3 = pm.weights_per_rank_bytes(Topology(1, 3))
+    assert pm.m.params * pm.m.dtype_bytes / 3 < w3 < pm.m.params * pm.m.dtype_bytes / 2
+    r3, r4 = pm.round_ms(Topology(1, 3), 30, 0), pm.round_ms(Topology(1, 4), 30, 0)
+    caps = [pm.capacity_rps(Topology(1, pp)) for pp in (2, 3, 4)]
+    assert caps[0] < caps[1] < caps[2] and r3 > 0 and r4 > 0
+
+
 def test_builtin_profiles_load_and_round_trip():
     names = [n for n in BUILTIN_PROFILES if n != "h200x8-analytic"]
     assert "h100x8-llama2-70b" in names and "h200x8-llama2-7b" in names
     p = load_profile("h100x8-llama2-7b")
-    assert {t.world_size for t in p.topologies} == {1, 2, 4, 8}
+    assert {t.world_size for t in p.topologies} == set(range(1, 9))
     assert len(p.topologies) == len(topologies(LLAMA2_7B))
-    # what an agent on 8 GPUs registers: PP divides the layers (any world up to the host's), so
-    # an 80-layer model gets PP5 (world 5, between half and the whole host); never a split layer
+    # what an agent on 8 GPUs registers: every world up to the host's, PP any degree up to the
+    # layers (uneven stages laid out as vLLM does: PP3 of 32 layers is 11/11/10), TP Vidur's
     big = load_profile("h100x8-llama2-70b")
-    assert Topology(1, 5) in big.topologies and {t.world_size for t in big.topologies} == {4, 5, 8}
-    assert all(80 % t.pp == 0 and t.tp in (1, 2, 4, 8) for t in big.topologies)
-    assert Topology(2, 3) not in topologies(LLAMA2_70B) and Topology(1, 3) not in topologies(LLAMA2_70B)
+    assert {t.world_size for t in big.topologies} == {3, 4, 5, 6, 7, 8}  # 1-2: weights too big
+    assert {Topology(1, 3), Topology(2, 3), Topology(1, 7)} <= set(big.topologies)
+    assert all(t.tp in (1, 2, 4, 8) for t in big.topologies)
+    assert Topology(3, 1) not in topologies(LLAMA2_70B)  # TP must divide the 8 KV heads
     assert [t for t in topologies(LLAMA2_7B) if t.world_size == 8] == [Topology(8, 1), Topology(4, 2),
                                                                       Topology(2, 4), Topology(1, 8)]
     q = Profile.from_json(p.to_json())

@@ -1,6 +1,7 @@
 """Objectives and scale decisions (policy/scale.py) and the savings replay (policy/savings.py)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,8 +17,39 @@ from remp.topology import Topology
 
 @pytest.fixture(scope="module")
 def table():
+    """A host whose agent registers world sizes 1, 2, 4, 8 (``--candidates``; the live service
+    decides over the node's candidates only): one step down halves the GPUs held."""
     p = load_profile("h100x8-llama2-7b")
-    return CapacityTable(p, p.default_slo)
+    even = replace(p, curves=tuple(c for c in p.curves if c.topology.world_size in (1, 2, 4, 8)))
+    return CapacityTable(even, p.default_slo)
+
+
+def test_a_step_down_releases_at_most_step_ratio_of_the_gpus_held():
+    """With every world size 1-8 (uneven pipeline stages give 3, 5, 6, 7 for 32 layers) a
+    scale-down to a near-idle load goes 8 -> 6 -> 5 -> 4 -> 3 -> 2 -> 1 with the default
+    ``step_ratio`` 0.7 (never below 0.7 x the GPUs held, or the next smaller size when none lies
+    between), one size at a time with 1.0, straight down with ``step_down`` off."""
+    p = load_profile("h100x8-llama2-7b")
+    t = CapacityTable(p, p.default_slo)
+    assert {o.world_size for o in t.order} == set(range(1, 9))
+    low, path, cur = 0.3, [8], t.fixed_best
+    while cur.world_size > 1:
+        st = PolicyState(cur, last_switch_s=0.0, switch_times_s=())
+        d = decide_scale(st, 1e5, low, band(low), t, recent=np.full(3, low), error_budget=1e9)
+        assert d.switch and d.reason == "scale-down", d.text
+        cur = d.recommended
+        path.append(cur.world_size)
+    assert path == [8, 6, 5, 4, 3, 2, 1] and ScaleConfig().step_ratio == 0.7
+    st = PolicyState(t.fixed_best, last_switch_s=0.0, switch_times_s=())
+    kw = dict(recent=np.full(3, low), error_budget=1e9)
+    one = decide_scale(st, 1e5, low, band(low), t, ScaleConfig(step_ratio=1.0), **kw)
+    assert one.recommended.world_size == 7
+    half = decide_scale(st, 1e5, low, band(low), t, ScaleConfig(step_ratio=0.5), **kw)
+    assert half.recommended.world_size == 4
+    direct = decide_scale(st, 1e5, low, band(low), t, ScaleConfig(step_down=False), **kw)
+    assert direct.recommended.world_size == 1
+    with pytest.raises(ValueError):
+        ScaleConfig(step_ratio=0.0)
 
 
 def band(rate, n=18, W=600.0, spread=0.0):

@@ -26,20 +26,21 @@ def test_tiny_model_all_tp_pp_up_to_4_are_valid():
             assert Topology(tp, pp) in valid
     assert Topology(8, 1) not in valid  # 4 KV heads
     assert Topology(1, 8) not in valid  # 4 layers
+    assert Topology(1, 3) in valid  # uneven stages: layers [1, 2, 1]
     assert Topology(3, 1) not in valid
 
 
 def test_candidates_limited_by_devices_and_ordered():
     assert candidate_topologies(TINY, devices=2) == [Topology(1, 1), Topology(2, 1), Topology(1, 2)]
     four = candidate_topologies(TINY, devices=4)
-    assert four == [Topology(1, 1), Topology(2, 1), Topology(1, 2),
+    assert four == [Topology(1, 1), Topology(2, 1), Topology(1, 2), Topology(1, 3),
                     Topology(4, 1), Topology(2, 2), Topology(1, 4)]
 
 
 def test_problems_name_every_reason():
-    probs = topology_problems(Topology(3, 3), TINY, devices=4)
+    probs = topology_problems(Topology(3, 5), TINY, devices=4)
     text = " ".join(probs)
-    assert "attention heads" in text and "KV heads" in text and "layers" in text
+    assert "attention heads" in text and "KV heads" in text and "more stages than the 4 layers" in text
     assert "more than the 4 devices" in text
     assert topology_problems(Topology(2, 2), TINY, devices=4) == []
     assert topology_problems(Topology(0, 1), TINY, devices=4)

@@ -236,7 +236,7 @@ def test_invalid_topology_rejected():
     with pytest.raises(ValueError):
         plan_weights(TINY, Topology(8, 1), Topology(1, 1))
     with pytest.raises(ValueError):
-        shard(TINY, Topology(1, 3), 0)
+        shard(TINY, Topology(1, 5), 0)  # more stages than layers
 
 
 @settings(max_examples=40, deadline=None)
@@ -275,3 +275,20 @@ def test_bench_smoke_runs_on_cpu(tmp_path):
     assert rc == 0 and rep["all_ok"] and not rep["errors"]
     assert all(p["plan"]["store_bytes"] == 0 for m in rep["models"].values() for p in m["pairs"])
     assert (tmp_path / "weight_reshard_t.md").read_text().startswith("# Peer-to-peer")
+
+
+UNEVEN = WeightShape(10, 256, 8, 4, 512, 2048)  # 10 layers: PP3 [3, 4, 3], PP4 [2, 3, 3, 2], PP7
+UNEVEN_TOPOS = [Topology(1, 3), Topology(2, 3), Topology(1, 4), Topology(2, 2), Topology(1, 7),
+                Topology(4, 2), Topology(1, 1)]
+
+
+def test_uneven_stages_every_ordered_pair_bit_exact():
+    """PP that does not divide the layers (vLLM's layout: remp.topology.stage_layers): every
+    pair among uneven and even layouts moves each new shard's bytes exactly once, bit exact."""
+    full = Full(UNEVEN)
+    for old, new in itertools.product(UNEVEN_TOPOS, UNEVEN_TOPOS):
+        plan = check_pair(full, old, new)
+        assert plan.bytes_by_kind()["store"] == 0
+    params, _ = shard(UNEVEN, Topology(1, 3), 1)
+    assert sorted({int(n.split(".")[2]) for n in params if n.startswith("model.layers.")}) == [
+        3, 4, 5, 6]
