@@ -564,11 +564,11 @@ VIDUR_TPS = (1, 2, 4, 8)  # the TP degrees Vidur measured
 
 def topologies(spec: ModelSpec, max_world: int = 8) -> tuple[Topology, ...]:
     """The topologies a remp agent on a ``max_world``-GPU host registers for ``spec``
-    (``remp.topology.candidate_topologies``: TP divides the heads and KV heads, PP the layers,
+    (``remp.topology.candidate_topologies``: TP divides the heads and KV heads, PP at most the
+    layers — stages uneven by one layer where PP does not divide them, as vLLM lays them out —
     world at most the host's; a world that does not divide the host's runs too, its groups laid
     out over the active ranks), limited to the TP degrees Vidur measured. By world size, then TP
-    descending: 32-layer models get world sizes 1, 2, 4, 8; 80-layer ones (Llama-2/3-70B) also
-    world 5 (TP1PP5)."""
+    descending: every world 1-8 (3 as PP3, 5 as PP5, 6 as TP2PP3 and PP6, 7 as PP7)."""
     shape = ModelShape(num_layers=spec.layers, num_attention_heads=spec.heads,
                        num_kv_heads=spec.kv_heads, hidden_size=spec.hidden, head_size=spec.head_dim)
     return tuple(t for t in candidate_topologies(shape, max_world) if t.tp in VIDUR_TPS)
@@ -588,8 +588,8 @@ def profile_name(gpu: str, model: str) -> str:
 
 def build_profile(model: str, gpu: str, attention_csv: Path | str | None = None):
     """A ``policy.profiles.Profile`` for ``model`` on an 8-GPU ``gpu`` host: every topology of
-    ``topologies`` (the world sizes an agent on 8 GPUs registers: 1, 2, 4, 8, and 5 for 80 layers)
-    whose weights and a minimal KV cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every
+    ``topologies`` (every world size 1-8 an agent on 8 GPUs registers) whose weights and a
+    minimal KV cache fit, a load sweep from 0 to 0.995 x capacity, switch downtimes for every
     pair, and the default SLO of the model size."""
     from policy.profile_types import SLO, Profile, TopologyCurve
 
