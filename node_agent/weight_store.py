@@ -89,7 +89,8 @@ def llama_shard_pieces(cfg: dict, tp: int, pp: int, rank: int
     inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
     hd = h // nh
     if nh % tp or nkv % tp or not 1 <= pp <= L or inter % tp or vocab % tp:
-        raise ValueError(f"TP{tp}PP{pp} does not evenly split this model")
+        raise ValueError(f"TP{tp}PP{pp} cannot shard this model (TP must divide the heads, KV "
+                         "heads, FFN and vocabulary; PP be at most the layers)")
     stage, r = divmod(rank, tp)
     q, kv, i, v = nh * hd // tp, nkv * hd // tp, inter // tp, vocab // tp
     params: dict[str, tuple] = {}

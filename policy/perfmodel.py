@@ -124,7 +124,8 @@ class ModelSpec:
     def kv_bytes_per_token(self, tp: int, pp: int) -> float:
         """KV bytes one token occupies on the fullest rank (its stage's layers, its heads): block
         ids are global, so that rank bounds every rank's block count."""
-        return self.stage_layers(pp) * 2 * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+        return (self.stage_layers(pp) * 2 * self.kv_heads_per_rank(tp) * self.head_dim
+                * self.dtype_bytes)
 
 
 LLAMA2_7B = ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, "llama2-7b")
@@ -429,7 +430,8 @@ class PerfModel:
         """One engine step of one micro-batch on the slowest pipeline stage (the one with the
         most layers; the last stage's LM head and the first's embedding spread over the round)."""
         n = decode_batch + prefill_tokens
-        t = self.m.stage_layers(topo.pp) * self.layer_ms(topo.tp, decode_batch, ctx, prefill_tokens, prefill_ctx)
+        t = self.m.stage_layers(topo.pp) * self.layer_ms(topo.tp, decode_batch, ctx, prefill_tokens,
+                                                         prefill_ctx)
         t += self.lm_head_ms(topo.tp, max(decode_batch, 1.0)) / topo.pp  # spread: once per round
         t += self.op_ms_emb(topo.tp, n) / topo.pp
         if topo.pp > 1:

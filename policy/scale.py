@@ -91,7 +91,7 @@ class ScaleConfig:
     #                            over the last 24 h) a choice may risk in one window at the recent peak
     quiet_budget_max: float = 2.0  # in a window quieter than the last 24 h, loss_budget x (24-h mean / next) up to this
     min_dwell_windows: int = 2  # the dwell is at least this many windows
-    step_down: bool = True  # a scale-down releases one world-size step at a time
+    step_down: bool = True  # a scale-down goes in steps (step_ratio); off: straight to the cheapest
     bet_growth: float = 0.1  # the bet above is at the recent peak x (1 + this): the next window may rise
     step_ratio: float = 0.7  # with step_down, a scale-down goes no lower than this x the GPUs held
     #                          (or the next smaller world size, when none lies between)
@@ -102,7 +102,8 @@ class ScaleConfig:
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
-                and self.quiet_budget_max >= 1 and self.bet_growth >= 0 and 0 < self.step_ratio <= 1):
+                and self.quiet_budget_max >= 1 and self.bet_growth >= 0
+                and 0 < self.step_ratio <= 1):
             raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0, "
                              "quiet_budget_max >= 1, bet_growth >= 0, 0 < step_ratio <= 1")
         if not (self.headroom >= 1.0 and 0 < self.band_quantile < 1 and self.min_dwell_s >= 0

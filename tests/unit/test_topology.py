@@ -40,7 +40,8 @@ def test_candidates_limited_by_devices_and_ordered():
 def test_problems_name_every_reason():
     probs = topology_problems(Topology(3, 5), TINY, devices=4)
     text = " ".join(probs)
-    assert "attention heads" in text and "KV heads" in text and "more stages than the 4 layers" in text
+    assert "attention heads" in text and "KV heads" in text
+    assert "more stages than the 4 layers" in text
     assert "more than the 4 devices" in text
     assert topology_problems(Topology(2, 2), TINY, devices=4) == []
     assert topology_problems(Topology(0, 1), TINY, devices=4)
