@@ -93,6 +93,8 @@ class ScaleConfig:
     min_dwell_windows: int = 2  # the dwell is at least this many windows
     step_down: bool = True  # a scale-down goes in steps (step_ratio); off: straight to the cheapest
     bet_growth: float = 0.1  # the bet above is at the recent peak x (1 + this): the next window may rise
+    pace_span_s: float = 0.0
+    pace_slack: float = 2.0
     step_ratio: float = 0.7  # with step_down, a scale-down goes no lower than this x the GPUs held
     #                          (or the next smaller world size, when none lies between)
 
@@ -463,6 +465,11 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     lost = table.scorer.switch_cost(cur, tgt, max(mean0, last)) + table.scorer.switch_cost(tgt, cur, max(mean0, last))
     cost = (lost * table.request_cost_gpu_s(cfg)
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
+    if cfg.pace_span_s > 0:
+        paced = sum(1 for t in state.switch_times_s if now_s - t < cfg.pace_span_s)
+        if paced >= cfg.pace_slack + cfg.max_switches_per_day * cfg.pace_span_s / DAY_S:
+            return out(cur, "hold-pace", f"{tgt} would save {saving:.2f} GPU-h; {paced} switches in the last "
+                       f"{cfg.pace_span_s / 3600:.0f} h", saving, "gpu-hours", run, n_now)
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now)
     if held is not None:
         return held

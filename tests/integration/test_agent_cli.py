@@ -19,7 +19,7 @@ def run_agent(*args, timeout=30):
     (["--model", "/definitely/not/here"], "model directory '/definitely/not/here' does not exist"),
     (["--tp", "3"], "TP3PP1: TP=3 does not divide the 8 attention heads"),
     (["--tp", "2", "--pp", "2", "--devices", "2"], "TP2PP2: TP*PP=4 is more than the 2 devices"),
-    (["--pp", "3", "--devices", "4"], "PP=3 does not divide the 4 layers"),
+    (["--pp", "5", "--devices", "8"], "PP=5 is more stages than the 4 layers"),
     (["--tp", "0"], "invalid setting tp"),
     (["--candidates", "TP2PP9"], "candidate TP2PP9 is not valid"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),

@@ -1,6 +1,7 @@
 """Peer-to-peer weight resharding across real processes over gloo (the CPU transport remp uses):
-every ordered pair of the candidate topologies of worlds 1, 2 and 4, each new shard bit-exact against
-the host store's bytes, none of them read from the store."""
+every ordered pair of the candidate topologies of worlds 1 to 4 (TP1PP3 with uneven stages of 1, 2
+and 1 layers), each new shard bit-exact against the host store's bytes, none of them read from
+the store."""
 
 from __future__ import annotations
 
@@ -73,9 +74,11 @@ def _check(world, pairs):
 
 
 def test_world_4_every_ordered_pair():
-    # the 6 candidates of worlds 1, 2 and 4: the world-2 pairs run with ranks 2 and 3 idle (a
-    # real world-2 engine reshards in tests/e2e/test_switch_e2e.py and test_world_change_e2e.py)
-    rows = _check(4, 36)
+    # the 7 candidates of worlds 1-4 (TP1PP3: 4 layers as 1/2/1): smaller worlds run with the
+    # other ranks idle (a real world-2 engine reshards in tests/e2e/test_switch_e2e.py and
+    # test_world_change_e2e.py, a world-3 one in test_switch_world3.py)
+    rows = _check(4, 49)
     moved = {(r[0][1], r[0][2]): sum(x[4]["peer_recv_bytes"] for x in r) for r in rows
              if r[0][0] == "float32"}
     assert moved[("TP4PP1", "TP1PP4")] > 0 and moved[("TP1PP1", "TP4PP1")] > 0
+    assert moved[("TP1PP4", "TP1PP3")] > 0 and moved[("TP1PP3", "TP2PP2")] > 0
