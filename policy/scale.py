@@ -31,8 +31,12 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   every world size, 8 -> 4 -> 2 -> 1 on one with 1, 2, 4, 8) when a smaller one qualifies,
   after the dwell (max(``min_dwell_s``, ``min_dwell_windows`` windows)), after a warm-up of as many
   observed windows in a row as the recent span (at the start and after a gap), with one switch of
-  the rolling-24-h budget kept for a scale-up, and when the saving over the forecast mean's run
-  under the target's capacity exceeds the switch's cost scaled by budget / switches left.
+  the rolling-24-h budget kept for a scale-up, at the budget's pace (fewer switches in the last
+  ``pace_span_s`` than ``max_switches_per_day`` x ``pace_span_s`` / 24 h + ``pace_slack``: with
+  12/day, 3 h and 1, a scale-down waits once 3 switches fell in the last 3 h, so a ladder with
+  many sizes does not spend the day's switches in its morning), and when the saving over the
+  forecast mean's run under the target's capacity exceeds the switch's cost scaled by budget /
+  switches left.
 
 Sizing ``band`` (the older rule) and ``latency``:
 
@@ -93,10 +97,10 @@ class ScaleConfig:
     min_dwell_windows: int = 2  # the dwell is at least this many windows
     step_down: bool = True  # a scale-down goes in steps (step_ratio); off: straight to the cheapest
     bet_growth: float = 0.1  # the bet above is at the recent peak x (1 + this): the next window may rise
-    pace_span_s: float = 0.0
-    pace_slack: float = 2.0
     step_ratio: float = 0.7  # with step_down, a scale-down goes no lower than this x the GPUs held
     #                          (or the next smaller world size, when none lies between)
+    pace_span_s: float = 3 * 3600.0  # a scale-down waits while the switches of this span reach ...
+    pace_slack: float = 1.0  # ... the day's budget spread over it plus this (0 span: no pacing)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -105,9 +109,10 @@ class ScaleConfig:
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
                 and self.quiet_budget_max >= 1 and self.bet_growth >= 0
-                and 0 < self.step_ratio <= 1):
+                and 0 < self.step_ratio <= 1 and self.pace_span_s >= 0 and self.pace_slack >= 0):
             raise ValueError("0 < loss_budget < 1, 0 <= recent_weight < 1, min_dwell_windows >= 0, "
-                             "quiet_budget_max >= 1, bet_growth >= 0, 0 < step_ratio <= 1")
+                             "quiet_budget_max >= 1, bet_growth >= 0, 0 < step_ratio <= 1, "
+                             "pace_span_s >= 0, pace_slack >= 0")
         if not (self.headroom >= 1.0 and 0 < self.band_quantile < 1 and self.min_dwell_s >= 0
                 and self.max_switches_per_day >= 1 and self.floor_rps >= 0 and 0 < self.attainment_bar <= 1):
             raise ValueError("headroom >= 1, 0 < band_quantile < 1, dwell >= 0, budget >= 1, "
@@ -326,7 +331,8 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     cost = (lost * table.request_cost_gpu_s(cfg)
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     risk_n = max(run, 1)
-    held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, risk_n, n_down)
+    held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, risk_n, n_down,
+                            _paced(state, now_s, cfg))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "
@@ -351,18 +357,32 @@ def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int
                f"+{extra:.2f} GPU-h over {up_n * W / 60:.0f} min)", -extra, "gpu-hours", up_n, need)
 
 
+def _paced(state: PolicyState, now_s: float, cfg: ScaleConfig) -> int:
+    """Switches in the last ``pace_span_s`` (0 when pacing is off)."""
+    if cfg.pace_span_s <= 0:
+        return 0
+    return sum(1 for t in state.switch_times_s if now_s - t < cfg.pace_span_s)
+
+
 def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: float,
                      dwell_left: float, used: int, left: int, cfg: ScaleConfig, risk_n: int,
-                     need: float) -> "ScaleDecision | None":
+                     need: float, paced: int = 0) -> "ScaleDecision | None":
     """Why a worthwhile scale-down to ``tgt`` waits (a hold decision), or None when it may go:
     the dwell since the last switch, the day's switch budget (one switch kept for a scale-up),
-    a saving that does not beat the switch's cost weighted by the budget left."""
+    the pace (``paced`` switches in the last ``pace_span_s`` already at the day's budget spread
+    evenly over that span, plus ``pace_slack``), a saving that does not beat the switch's cost
+    weighted by the budget left."""
     if dwell_left > 0:
         return out(cur, "hold-dwell", f"{tgt} would save {saving:.2f} GPU-h; dwell {dwell_left:.0f} s left",
                    saving, "gpu-hours", risk_n, need)
     if left <= 1:
         return out(cur, "hold-budget", f"{tgt} would save {saving:.2f} GPU-h; {used}/{cfg.max_switches_per_day} "
                    "switches in 24 h (one kept for a scale-up)", saving, "gpu-hours", risk_n, need)
+    pace = cfg.pace_slack + cfg.max_switches_per_day * cfg.pace_span_s / DAY_S
+    if cfg.pace_span_s > 0 and paced >= pace:
+        return out(cur, "hold-pace", f"{tgt} would save {saving:.2f} GPU-h; {paced} switches in the "
+                   f"last {cfg.pace_span_s / 3600:.3g} h (pace {pace:.3g})", saving, "gpu-hours", risk_n,
+                   need)
     threshold = cost * cfg.max_switches_per_day / left
     if saving <= threshold:
         return out(cur, "hold-saving", f"{tgt} would save {saving:.2f} GPU-h <= switch cost {threshold:.2f}",
@@ -465,12 +485,8 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     lost = table.scorer.switch_cost(cur, tgt, max(mean0, last)) + table.scorer.switch_cost(tgt, cur, max(mean0, last))
     cost = (lost * table.request_cost_gpu_s(cfg)
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
-    if cfg.pace_span_s > 0:
-        paced = sum(1 for t in state.switch_times_s if now_s - t < cfg.pace_span_s)
-        if paced >= cfg.pace_slack + cfg.max_switches_per_day * cfg.pace_span_s / DAY_S:
-            return out(cur, "hold-pace", f"{tgt} would save {saving:.2f} GPU-h; {paced} switches in the last "
-                       f"{cfg.pace_span_s / 3600:.0f} h", saving, "gpu-hours", run, n_now)
-    held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now)
+    held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now,
+                            _paced(state, now_s, cfg))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "

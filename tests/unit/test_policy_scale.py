@@ -372,3 +372,25 @@ def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
     assert not new.switch and ScaleConfig().bet_growth == 0.1
     with pytest.raises(ValueError):
         ScaleConfig(bet_growth=-0.1)
+
+
+def test_scale_downs_keep_the_days_switch_budget_at_its_pace(table):
+    """With 3 switches in the last 3 h (12/day spread over 3 h is 1.5, plus a slack of 1) a
+    worthwhile scale-down waits ("hold-pace"); once one of them is older than 3 h it goes.
+    Scale-ups are never paced. ``pace_span_s`` 0 turns it off."""
+    big, low, now = table.fixed_best, 0.5, 1e6
+    kw = dict(recent=np.full(3, low), error_budget=1e9)
+    busy = PolicyState(big, last_switch_s=now - 1800, switch_times_s=(now - 9000, now - 5400, now - 1800))
+    held = decide_scale(busy, now, low, band(low), table, **kw)
+    assert not held.switch and held.reason == "hold-pace" and "3 switches in the last 3 h" in held.text
+    calm = PolicyState(big, last_switch_s=now - 1800, switch_times_s=(now - 11000, now - 5400, now - 1800))
+    assert decide_scale(calm, now, low, band(low), table, **kw).reason == "scale-down"
+    off = decide_scale(busy, now, low, band(low), table, ScaleConfig(pace_span_s=0), **kw)
+    assert off.switch and off.reason == "scale-down"
+    small = table.cheapest_covering(1.0)
+    hot = table.slo_cap[small] * 1.5
+    up = decide_scale(PolicyState(small, now - 1800, busy.switch_times_s), now, hot, band(hot), table,
+                      recent=np.full(3, hot), error_budget=1e9)
+    assert up.switch and up.reason == "scale-up"
+    with pytest.raises(ValueError):
+        ScaleConfig(pace_slack=-1)
