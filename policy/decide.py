@@ -63,8 +63,12 @@ class PolicyState:
     last_switch_s: float = -math.inf
     switch_times_s: tuple[float, ...] = ()
 
+    def switches_in_last(self, now_s: float, span_s: float) -> int:
+        """Switches in the ``span_s`` before ``now_s`` (0 for a span of 0)."""
+        return sum(1 for t in self.switch_times_s if now_s - t < span_s)
+
     def switches_in_last_day(self, now_s: float) -> int:
-        return sum(1 for t in self.switch_times_s if now_s - t < DAY_S)
+        return self.switches_in_last(now_s, DAY_S)
 
     def after(self, decision: "Decision") -> "PolicyState":
         """The state once the decision is carried out (a switch that completed)."""

@@ -115,7 +115,7 @@ class ModelSpec:
     def kv_heads_per_rank(self, tp: int) -> float:
         return max(1.0, self.kv_heads / tp)
 
-    def stage_layers(self, pp: int) -> int:
+    def max_stage_layers(self, pp: int) -> int:
         """The most layers a stage holds (vLLM's layout, ``remp.topology.stage_layers``: stages
         differ by one layer when PP does not divide the layers): the stage that bounds a
         pipeline round, a rank's weights and its KV per token."""
@@ -124,7 +124,7 @@ class ModelSpec:
     def kv_bytes_per_token(self, tp: int, pp: int) -> float:
         """KV bytes one token occupies on the fullest rank (its stage's layers, its heads): block
         ids are global, so that rank bounds every rank's block count."""
-        return (self.stage_layers(pp) * 2 * self.kv_heads_per_rank(tp) * self.head_dim
+        return (self.max_stage_layers(pp) * 2 * self.kv_heads_per_rank(tp) * self.head_dim
                 * self.dtype_bytes)
 
 
@@ -430,7 +430,7 @@ class PerfModel:
         """One engine step of one micro-batch on the slowest pipeline stage (the one with the
         most layers; the last stage's LM head and the first's embedding spread over the round)."""
         n = decode_batch + prefill_tokens
-        t = self.m.stage_layers(topo.pp) * self.layer_ms(topo.tp, decode_batch, ctx, prefill_tokens,
+        t = self.m.max_stage_layers(topo.pp) * self.layer_ms(topo.tp, decode_batch, ctx, prefill_tokens,
                                                          prefill_ctx)
         t += self.lm_head_ms(topo.tp, max(decode_batch, 1.0)) / topo.pp  # spread: once per round
         t += self.op_ms_emb(topo.tp, n) / topo.pp
@@ -455,7 +455,7 @@ class PerfModel:
         """The fullest rank's weights: its stage's layers and a share of the embedding and LM
         head (``params / world`` when PP divides the layers)."""
         m = self.m
-        per_stage = m.stage_layers(topo.pp) * m.layer_params + 2 * m.vocab * m.hidden / topo.pp
+        per_stage = m.max_stage_layers(topo.pp) * m.layer_params + 2 * m.vocab * m.hidden / topo.pp
         return per_stage * m.dtype_bytes / topo.tp
 
     def kv_tokens(self, topo: Topology) -> float:

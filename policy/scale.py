@@ -332,7 +332,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     risk_n = max(run, 1)
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, risk_n, n_down,
-                            _paced(state, now_s, cfg))
+                            state.switches_in_last(now_s, cfg.pace_span_s))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "
@@ -355,13 +355,6 @@ def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int
     extra = (tgt.world_size - cur.world_size) * up_n * W / 3600.0
     return out(tgt, "scale-up", f"{why}: -> {tgt} (capacity {table.slo_cap[tgt]:.3g}; "
                f"+{extra:.2f} GPU-h over {up_n * W / 60:.0f} min)", -extra, "gpu-hours", up_n, need)
-
-
-def _paced(state: PolicyState, now_s: float, cfg: ScaleConfig) -> int:
-    """Switches in the last ``pace_span_s`` (0 when pacing is off)."""
-    if cfg.pace_span_s <= 0:
-        return 0
-    return sum(1 for t in state.switch_times_s if now_s - t < cfg.pace_span_s)
 
 
 def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: float,
@@ -486,7 +479,7 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     cost = (lost * table.request_cost_gpu_s(cfg)
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now,
-                            _paced(state, now_s, cfg))
+                            state.switches_in_last(now_s, cfg.pace_span_s))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "

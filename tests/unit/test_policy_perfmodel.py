@@ -97,7 +97,7 @@ def test_uneven_stages_cost_their_fullest_stage():
     """PP3 of 32 layers (11/11/10): the round, the weights and the KV per token are those of the
     11-layer stage, so it lies between PP2 and PP4 per GPU and never beats 32/3 exactly."""
     pm = PerfModel(LLAMA2_7B, H100, BoundAttention(H100))
-    assert pm.m.stage_layers(3) == 11 and pm.m.stage_layers(4) == 8
+    assert pm.m.max_stage_layers(3) == 11 and pm.m.max_stage_layers(4) == 8
     assert pm.m.kv_bytes_per_token(1, 3) == pytest.approx(11 / 8 * pm.m.kv_bytes_per_token(1, 4))
     assert pm.weights_per_rank_bytes(Topology(1, 4)) == pytest.approx(
         pm.m.params * pm.m.dtype_bytes / 4)
