@@ -269,7 +269,7 @@ class Chooser:
 
     def __init__(self, window_s: float, horizon: int, forecasters: Sequence[Forecaster] | None = None,
                  memory: int = 144, residuals: int = 288, min_spread: float = 0.05,
-                 prior_sigma: float = 0.5) -> None:
+                 prior_sigma: float = 0.5, warmup: int = 2) -> None:
         if horizon < 1:
             raise ValueError("horizon must be at least one window")
         self.window_s = window_s
@@ -284,6 +284,7 @@ class Chooser:
         self.n = 0  # windows seen
         self.min_spread = min_spread
         self.prior_sigma = prior_sigma
+        self.warmup = warmup  # predictions made from fewer windows than this are not scored
         self.chosen = 0
 
     @property
@@ -295,7 +296,7 @@ class Chooser:
         if not math.isnan(rate):
             hs = np.arange(1, H + 1)
             made = n - hs  # window index at which each prediction was made
-            ok = made >= 0
+            ok = made >= self.warmup
             slots = np.where(ok, made % H, 0)
             p = self.preds[:, slots, hs - 1]  # [F, H]
             valid = ok[None, :] & ~np.isnan(p)

@@ -602,8 +602,10 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             seas = float(rates[w - day_n]) if w >= day_n else math.nan
             obs = ~np.isnan(rates[lo:w])  # fixed-best's mean in-SLO rate over the last 24 h
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
+            dp = rates[lo:w]
+            dpk = float(np.nanmax(dp)) if w >= day_n and np.any(~np.isnan(dp)) else math.nan
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
-                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good)
+                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk)
             decisions.append(d)
             state = after(state, d)
         topos.append(state.current)

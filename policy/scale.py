@@ -24,8 +24,9 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   ``peak_s`` is <= ``budget_share`` x the day's remaining SLO error budget (argument
   ``error_budget``, requests), and it covers the absolute floor ``floor_rps``.
 - **Scale up at once** (no dwell, never held by the budget) when the current one does not
-  qualify, to the cheapest one qualifying over ``up_lookahead_s`` (the largest when this is the
-  rolling day's last switch).
+  qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
+  day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
+  peak (``last_up`` "day-peak", once a whole day is observed), else to the largest.
 - **Scale down** (with ``step_down``, to no fewer GPUs than ``step_ratio`` x those held, or the
   next smaller world size when none lies between: 8 -> 6 -> 5 -> 4 -> 3 -> 2 -> 1 on a host with
   every world size, 8 -> 4 -> 2 -> 1 on one with 1, 2, 4, 8) when a smaller one qualifies,
@@ -101,12 +102,18 @@ class ScaleConfig:
     #                          (or the next smaller world size, when none lies between)
     pace_span_s: float = 3 * 3600.0  # a scale-down waits while the switches of this span reach ...
     pace_slack: float = 1.0  # ... the day's budget spread over it plus this (0 span: no pacing)
+    last_up: str = "day-peak"  # the rolling day's last scale-up goes at least to the cheapest topology
+    #                            covering last_up_margin x the last 24 h's peak ("day-peak", once a
+    #                            day is observed), or to the largest ("largest")
+    last_up_margin: float = 1.1
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
+        if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
+            raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
                 and self.quiet_budget_max >= 1 and self.bet_growth >= 0
                 and 0 < self.step_ratio <= 1 and self.pace_span_s >= 0 and self.pace_slack >= 0):
@@ -256,13 +263,14 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
                  table: CapacityTable, cfg: ScaleConfig = ScaleConfig(),
                  recent_peak: float = math.nan, recent: np.ndarray | None = None,
                  error_budget: float = math.inf, seasonal: float = math.nan,
-                 day_goodput: float = math.nan) -> ScaleDecision:
+                 day_goodput: float = math.nan, day_peak: float = math.nan) -> ScaleDecision:
     """One decision for the window starting at ``now_s`` (see the module docstring).
     ``recent_peak``: the highest rate observed over the last ``min_dwell_s`` (NaN: unknown); a
     scale-down target must also cover it with headroom (bursty traffic makes the multiplicative
     forecast band collapse after a quiet window; the recent peak does not). ``day_goodput``:
     fixed-best's mean in-SLO rate over the observed windows of the last 24 h (req/s; NaN: the
-    loss budget is not scaled for quiet windows)."""
+    loss budget is not scaled for quiet windows). ``day_peak``: the highest rate of the last
+    24 h, NaN until a whole day has been observed (sizes the day's last scale-up)."""
     W = band.window_s
     H = len(band.upper)
     last = 0.0 if math.isnan(last_rate) else float(last_rate)
@@ -312,13 +320,14 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
-                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput)
+                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, day_peak)
 
     # gpu-hours, sizing "band"
     if n_now > cap:
         return _scale_up(out, table, cur, table.cheapest_covering(n_plan), up_n, W,
                          f"load {n_now:.3g} req/s with headroom",
-                         f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan, left)
+                         f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan, left,
+                         _last_need(cfg, day_peak))
     tgt = table.cheapest_covering(n_down)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs covering {n_down:.3g} req/s", 0.0, "gpu-hours",
@@ -341,20 +350,35 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
 
 def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int, W: float,
-              state_text: str, why: str, need: float, left: int) -> "ScaleDecision":
+              state_text: str, why: str, need: float, left: int,
+              last_need: float = math.nan) -> "ScaleDecision":
     """Scale up to ``tgt`` now (no dwell, never held by the budget); a target no larger than
-    ``cur`` means the largest topology, and staying when ``cur`` already is it. With ``left`` <= 1
-    (this is the rolling day's last switch, the one a scale-down keeps in reserve) it goes to the
-    largest topology, so that no second scale-up can be needed before the day's switches age out:
-    with world sizes 1, 2, 4, 8, two steps up (2 -> 4 -> 8) would break the budget."""
+    ``cur`` means the largest topology, and staying when ``cur`` already is it.
+
+    With ``left`` <= 1 this is the rolling day's last switch (the one a scale-down keeps in
+    reserve): it must make a second scale-up unlikely before the day's switches age out (with
+    world sizes 1, 2, 4, 8, two steps up, 2 -> 4 -> 8, would break the budget). It goes at least
+    to the cheapest topology covering ``last_need`` (``last_up`` "day-peak": last_up_margin x the
+    highest rate of the last 24 h, known once a whole day has been observed), or to the largest
+    (``last_up`` "largest", or no day observed yet). Should load pass that anyway (``left`` 0), the
+    scale-up goes to the largest: one switch over the day's budget rather than the SLO lost."""
     largest = max(table.order, key=lambda t: table.slo_cap[t])
-    if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0) or left <= 1:
+    if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0) or left <= 0:
         tgt = largest
+    elif left <= 1:
+        floor = largest if math.isnan(last_need) else table.cheapest_covering(last_need)
+        if table.slo_cap[floor] > table.slo_cap[tgt]:
+            tgt = floor
     if tgt == cur:
         return out(cur, "stay", f"{cur} is already the largest; {state_text}")
     extra = (tgt.world_size - cur.world_size) * up_n * W / 3600.0
     return out(tgt, "scale-up", f"{why}: -> {tgt} (capacity {table.slo_cap[tgt]:.3g}; "
                f"+{extra:.2f} GPU-h over {up_n * W / 60:.0f} min)", -extra, "gpu-hours", up_n, need)
+
+
+def _last_need(cfg: ScaleConfig, day_peak: float) -> float:
+    """The load the day's last scale-up must cover at least (NaN: the largest topology)."""
+    return cfg.last_up_margin * day_peak if cfg.last_up == "day-peak" else math.nan
 
 
 def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: float,
@@ -396,7 +420,8 @@ def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.
 
 
 def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
-                 up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput):  # noqa: ANN001 - see decide_scale
+                 up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput,
+                 day_peak):  # noqa: ANN001 - see decide_scale
     """gpu-hours with sizing "risk" (see the module docstring)."""
     W = band.window_s
     cur = state.current
@@ -447,7 +472,8 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
             or bet(cur) > cfg.budget_share * error_budget):
         return _scale_up(out, table, cur, cheapest(ok(up_n)), up_n, W,
                          f"expected loss {now.get(cur, 1.0):.2%}",
-                         f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now, left)
+                         f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now, left,
+                         _last_need(cfg, day_peak))
     tgt = cheapest(now)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%}", 0.0, "gpu-hours",

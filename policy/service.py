@@ -242,6 +242,7 @@ class ScaleInputs:
     error_budget: float  # requests: the day's remaining SLO error budget
     seasonal: float  # yesterday's rate for the coming window (NaN: no day of history)
     day_goodput: float = math.nan  # fixed-best's mean in-SLO rate over the last 24 h's observed windows
+    day_peak: float = math.nan  # the highest rate of the last 24 h (NaN until a whole day is observed)
 
 
 def error_budget(table: CapacityTable, history: Sequence[Window], window_s: float, now_s: float,
@@ -294,7 +295,9 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
               if cfg.sizing == "risk" else math.inf)
     day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9 and not math.isnan(w.rate)])
     day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
-    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good)
+    whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
+    day_peak = float(day.max()) if whole_day and day.size else math.nan
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak)
 
 
 def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -941,7 +944,7 @@ class PolicyService:
         inp = scale_inputs(n.history, self.window_s, cfg, table, now)
         sd = decide_scale(st, now, inp.last_rate, band, table, cfg, inp.recent_peak,
                           inp.recent if cfg.sizing == "risk" else None, inp.error_budget,
-                          inp.seasonal, inp.day_goodput)
+                          inp.seasonal, inp.day_goodput, inp.day_peak)
         if sd.recommended not in topos:  # never recommend what the node cannot take
             sd = replace(sd, recommended=cur, switch=False, reason="stay",
                          text=f"{sd.recommended} is not a candidate of this node; staying")

@@ -473,6 +473,9 @@ def test_scale_inputs_recent_peak_and_yesterdays_slot():
     assert inp.day_goodput == pytest.approx(float(np.mean(table.scorer.goodput_rps(table.fixed_best, np.array(day)))))
     short = scale_inputs(hist[-20:], Wd, c, table, n * Wd)
     assert math.isnan(short.seasonal) and short.recent.size == 3
+    # the last 24 h's peak sizes the day's last scale-up: known once a whole day is observed
+    assert inp.day_peak == max(day)
+    assert math.isnan(short.day_peak)
 
 
 def test_settings_objective_defaults():

@@ -350,6 +350,44 @@ def test_the_days_last_switch_scales_up_to_the_largest(table):
     assert d.switch and d.recommended == table.fixed_best
 
 
+def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table):
+    """Once a whole day has been observed (``day_peak`` known), the day's last scale-up goes to
+    the cheapest topology covering 1.1 x the last 24 h's peak instead of the whole host (held
+    for hours until a switch ages out); never below the target the load itself asks for. With
+    no switch left at all (load passed even that) it goes to the largest: one switch over the
+    budget rather than the SLO lost. ``last_up`` "largest" keeps the older rule."""
+    w2 = max((o for o in table.order if o.world_size == 2), key=lambda o: table.slo_cap[o])
+    w4 = max((o for o in table.order if o.world_size == 4), key=lambda o: table.slo_cap[o])
+    largest = max(table.order, key=lambda o: table.slo_cap[o])
+    x = 1.2 * table.slo_cap[w2]
+    now = 1e6
+    last = PolicyState(w2, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(11)))
+    kw = dict(recent=np.full(3, x), error_budget=1e9)
+    day_peak = table.slo_cap[w4] / 1.2  # 1.1 x it still fits world 4
+    d = decide_scale(last, now, x, band(x), table, day_peak=day_peak, **kw)
+    assert d.switch and d.reason == "scale-up" and d.recommended == w4, d.text
+    assert ScaleConfig().last_up == "day-peak" and ScaleConfig().last_up_margin == 1.1
+    # a day whose peak needs the whole host: the whole host
+    d = decide_scale(last, now, x, band(x), table, day_peak=table.slo_cap[w4] * 1.5, **kw)
+    assert d.recommended.world_size == 8
+    # a quiet day never sizes below what the load asks for now
+    d = decide_scale(last, now, x, band(x), table, day_peak=0.1, **kw)
+    assert d.recommended == w4
+    # no whole day observed (NaN), or the older rule: the largest
+    assert decide_scale(last, now, x, band(x), table, **kw).recommended == largest
+    old = ScaleConfig(last_up="largest")
+    assert decide_scale(last, now, x, band(x), table, old, day_peak=day_peak, **kw).recommended == largest
+    # no switch left (the last one went to the day's peak and load passed it): the largest
+    spent = PolicyState(w4, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(12)))
+    y = 1.2 * table.slo_cap[w4]
+    d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=1e9)
+    assert d.switch and d.recommended == largest
+    with pytest.raises(ValueError):
+        ScaleConfig(last_up="biggest")
+    with pytest.raises(ValueError):
+        ScaleConfig(last_up_margin=0.9)
+
+
 def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
     """The error-budget bet is one window at (1 + bet_growth) x the recent peak: a world-4
     topology that loses nothing at the peak itself but would lose more than half the day's
