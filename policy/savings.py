@@ -48,7 +48,8 @@ from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile
 from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
-from policy.scale import Band, CapacityTable, ScaleConfig, after, decide_scale, weighted_quantile
+from policy.scale import (Band, CapacityTable, ScaleConfig, after, decide_scale, observed_growth,
+                          weighted_quantile)
 from policy.traces import WindowSeries
 from remp.topology import Topology
 
@@ -545,6 +546,7 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     last = math.nan
     dwell_n = cfg.windows(cfg.min_dwell_s, W)
     rec_n = max(cfg.recent_windows, cfg.windows(cfg.recent_s, W))
+    peak_n = cfg.windows(cfg.peak_s, W)
     # the SLO error budget, as the policy itself can count it from what it observed: over the
     # last 24 h, (1 - bar) x fixed-best's in-SLO requests minus the requests its own choices lost
     # against fixed-best (switches included)
@@ -604,8 +606,10 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             dp = rates[lo:w]
             dpk = float(np.nanmax(dp)) if w >= day_n and np.any(~np.isnan(dp)) else math.nan
+            grow = observed_growth(rates[lo:w], peak_n, cfg.bet_growth_quantile)
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
-                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk)
+                             max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk,
+                             grow)
             decisions.append(d)
             state = after(state, d)
         topos.append(state.current)

@@ -20,9 +20,12 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
 - A topology qualifies when that share is <= ``loss_budget`` (x mean / next, at most
   ``quiet_budget_max``, in a window whose expected fixed-best in-SLO rate "next" is below the
   last 24 h's mean ``day_goodput``: the day's bar counts requests, so a quiet window may lose a
-  larger share of its own), its loss in one window at (1 + ``bet_growth``) x the peak of the last
-  ``peak_s`` is <= ``budget_share`` x the day's remaining SLO error budget (argument
-  ``error_budget``, requests), and it covers the absolute floor ``floor_rps``.
+  larger share of its own), its loss in one window at (1 + g) x the peak of the last ``peak_s``
+  is <= ``budget_share`` x the day's remaining SLO error budget (argument ``error_budget``,
+  requests), and it covers the absolute floor ``floor_rps``. The bet's growth g is
+  ``bet_growth``, or the ``bet_growth_quantile`` of the jumps the last 24 h showed
+  (``observed_growth``: a window's rate over the peak of the ``peak_s`` before it) where that is
+  larger, at most ``bet_growth_max``: traffic that has leapt before is bet to leap again.
 - **Scale up at once** (no dwell, never held by the budget) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
   day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
@@ -106,12 +109,19 @@ class ScaleConfig:
     #                            covering last_up_margin x the last 24 h's peak ("day-peak", once a
     #                            day is observed), or to the largest ("largest")
     last_up_margin: float = 1.1
+    # the bet's growth is at least this quantile of the jumps the last 24 h showed (a window's
+    # rate over the peak of the peak_s before it, minus 1), at most bet_growth_max: a trace
+    # whose rate has tripled within an hour before is bet to do so again (0: bet_growth alone)
+    bet_growth_quantile: float = 0.99
+    bet_growth_max: float = 1.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
+        if not (0 <= self.bet_growth_quantile <= 1 and self.bet_growth_max >= self.bet_growth):
+            raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
             raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
@@ -263,14 +273,16 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
                  table: CapacityTable, cfg: ScaleConfig = ScaleConfig(),
                  recent_peak: float = math.nan, recent: np.ndarray | None = None,
                  error_budget: float = math.inf, seasonal: float = math.nan,
-                 day_goodput: float = math.nan, day_peak: float = math.nan) -> ScaleDecision:
+                 day_goodput: float = math.nan, day_peak: float = math.nan,
+                 growth: float = math.nan) -> ScaleDecision:
     """One decision for the window starting at ``now_s`` (see the module docstring).
     ``recent_peak``: the highest rate observed over the last ``min_dwell_s`` (NaN: unknown); a
     scale-down target must also cover it with headroom (bursty traffic makes the multiplicative
     forecast band collapse after a quiet window; the recent peak does not). ``day_goodput``:
     fixed-best's mean in-SLO rate over the observed windows of the last 24 h (req/s; NaN: the
     loss budget is not scaled for quiet windows). ``day_peak``: the highest rate of the last
-    24 h, NaN until a whole day has been observed (sizes the day's last scale-up)."""
+    24 h, NaN until a whole day has been observed (sizes the day's last scale-up). ``growth``:
+    ``observed_growth`` of the last 24 h (NaN: bet_growth alone)."""
     W = band.window_s
     H = len(band.upper)
     last = 0.0 if math.isnan(last_rate) else float(last_rate)
@@ -320,7 +332,8 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
-                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, day_peak)
+                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, day_peak,
+                            growth)
 
     # gpu-hours, sizing "band"
     if n_now > cap:
@@ -407,6 +420,20 @@ def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: flo
     return None
 
 
+def observed_growth(rates: np.ndarray, peak_n: int, quantile: float) -> float:
+    """How far a window's rate rose above the highest of the ``peak_n`` windows before it
+    (rate / that peak - 1), the ``quantile`` of it over ``rates`` (the last 24 h, oldest first,
+    NaN = missing, counted as no traffic); NaN with fewer than 6 such windows or quantile 0."""
+    x = np.nan_to_num(np.asarray(rates, dtype=float))
+    if quantile <= 0 or len(x) < peak_n + 6 or peak_n < 1:
+        return math.nan
+    prev = np.lib.stride_tricks.sliding_window_view(x[:-1], peak_n).max(axis=1)
+    ok = prev > 0
+    if ok.sum() < 6:
+        return math.nan
+    return float(np.quantile(x[peak_n:][ok] / prev[ok] - 1.0, quantile))
+
+
 def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Load samples for the next ``n`` windows: every forecast scenario's path over them, and the
     recent observed rates (each assumed possible in any of them); weights sum to 1."""
@@ -421,7 +448,7 @@ def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.
 
 def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                  up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput,
-                 day_peak):  # noqa: ANN001 - see decide_scale
+                 day_peak, growth):  # noqa: ANN001 - see decide_scale
     """gpu-hours with sizing "risk" (see the module docstring)."""
     W = band.window_s
     cur = state.current
@@ -450,7 +477,8 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     peak = float(np.nanmax(pk)) if pk.size and np.any(~np.isnan(pk)) else last
     # the bet: one window at the recent peak, allowed to rise by bet_growth (with 1-h windows and
     # no day of history, a morning ramp of +30 % an hour is not in the recent peak yet)
-    peak = peak * (1.0 + cfg.bet_growth)
+    g = cfg.bet_growth if math.isnan(growth) else min(max(cfg.bet_growth, growth), cfg.bet_growth_max)
+    peak = peak * (1.0 + g)
     gb_peak = float(table.scorer.goodput_rps(table.fixed_best, peak))
 
     def bet(t: Topology) -> float:

@@ -50,7 +50,7 @@ from policy.decide import (DAY_S, AutoPolicy, CandidateScore, Decision, PolicyCo
                            Scorer)
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
-from policy.scale import Band, CapacityTable, ScaleConfig, ScaleDecision, decide_scale
+from policy.scale import Band, CapacityTable, ScaleConfig, ScaleDecision, decide_scale, observed_growth
 from policy.scale import after as scale_after
 from remp import logs
 from remp import metrics
@@ -243,6 +243,7 @@ class ScaleInputs:
     seasonal: float  # yesterday's rate for the coming window (NaN: no day of history)
     day_goodput: float = math.nan  # fixed-best's mean in-SLO rate over the last 24 h's observed windows
     day_peak: float = math.nan  # the highest rate of the last 24 h (NaN until a whole day is observed)
+    growth: float = math.nan  # policy.scale.observed_growth of the last 24 h
 
 
 def error_budget(table: CapacityTable, history: Sequence[Window], window_s: float, now_s: float,
@@ -297,7 +298,11 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
     day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
     whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
     day_peak = float(day.max()) if whole_day and day.size else math.nan
-    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak)
+    # the jumps of the last 24 h, window after window (missing windows count as no traffic, as in
+    # a replay); the history is one window after the other
+    last_day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9], dtype=float)
+    growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile)
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth)
 
 
 def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -944,7 +949,7 @@ class PolicyService:
         inp = scale_inputs(n.history, self.window_s, cfg, table, now)
         sd = decide_scale(st, now, inp.last_rate, band, table, cfg, inp.recent_peak,
                           inp.recent if cfg.sizing == "risk" else None, inp.error_budget,
-                          inp.seasonal, inp.day_goodput, inp.day_peak)
+                          inp.seasonal, inp.day_goodput, inp.day_peak, inp.growth)
         if sd.recommended not in topos:  # never recommend what the node cannot take
             sd = replace(sd, recommended=cur, switch=False, reason="stay",
                          text=f"{sd.recommended} is not a candidate of this node; staying")

@@ -17,7 +17,7 @@ from policy.calibrate import CalibrationConfig
 from policy.config import PolicySettings
 from policy.decide import DAY_S, PolicyConfig
 from policy.profiles import Profile
-from policy.scale import CapacityTable, ScaleConfig
+from policy.scale import CapacityTable, ScaleConfig, observed_growth
 from policy.service import (DecisionRecord, NodeView, ObjectiveDecision, PolicyService,
                             ReconfigureResult, Sample, SwitchResult, Window, error_budget,
                             scale_inputs)
@@ -476,6 +476,8 @@ def test_scale_inputs_recent_peak_and_yesterdays_slot():
     # the last 24 h's peak sizes the day's last scale-up: known once a whole day is observed
     assert inp.day_peak == max(day)
     assert math.isnan(short.day_peak)
+    # the bet's growth from the last 24 h's jumps, the replay's way (missing windows: no traffic)
+    assert inp.growth == pytest.approx(observed_growth(np.array(rates[n - 144:]), 6, c.bet_growth_quantile))
 
 
 def test_settings_objective_defaults():

@@ -10,7 +10,7 @@ from ops.policy_cli import main
 from policy.decide import PolicyState
 from policy.profiles import load_profile
 from policy.savings import POLICIES, RESULT_KEYS, run_savings
-from policy.scale import Band, CapacityTable, ScaleConfig, decide_scale
+from policy.scale import Band, CapacityTable, ScaleConfig, decide_scale, observed_growth
 from policy.traces import WindowSeries, write_canonical
 from remp.topology import Topology
 
@@ -410,6 +410,46 @@ def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
     assert not new.switch and ScaleConfig().bet_growth == 0.1
     with pytest.raises(ValueError):
         ScaleConfig(bet_growth=-0.1)
+
+
+def test_the_bet_grows_with_the_jumps_the_last_day_showed(table):
+    """Traffic whose rate has leapt within an hour before is bet to leap again: the bet's growth
+    is the 0.99 quantile of the last 24 h's jumps (a window's rate over the peak of the hour
+    before it), where that exceeds bet_growth, capped at bet_growth_max. A smooth day keeps 10 %."""
+    smooth = 100 + 10 * np.sin(np.arange(144) * 2 * np.pi / 144)
+    assert observed_growth(smooth, 6, 0.99) < 0.1
+    bursty = smooth.copy()
+    bursty[70] = 3 * bursty[69]  # one window at 3x the hour before it
+    assert observed_growth(bursty, 6, 1.0) == pytest.approx(bursty[70] / bursty[64:70].max() - 1)
+    assert observed_growth(bursty, 6, 0.0) != observed_growth(bursty, 6, 0.0)  # 0: off (NaN)
+    assert np.isnan(observed_growth(smooth[:8], 6, 0.99))  # too short a history
+    # missing windows count as no traffic; a window after an hour with none has no jump to measure
+    gap = smooth.copy()
+    gap[60:66] = np.nan
+    assert observed_growth(gap, 6, 1.0) == pytest.approx(observed_growth(smooth, 6, 1.0), abs=0.05)
+    # a decision: world 4 passes the 10 % bet but not a 50 % one
+    w4 = max((t for t in table.order if t.world_size == 4), key=lambda t: table.slo_cap[t])
+    sc, W = table.scorer, 600.0
+    peak = table.slo_cap[w4] * 0.8
+
+    def loss(x):
+        return max(float(sc.goodput_rps(table.fixed_best, x)) - float(sc.goodput_rps(w4, x)), 0.0) * W
+
+    budget = 2 * (loss(1.1 * peak) + 1.0)  # the 10 % bet takes at most half
+    assert loss(1.5 * peak) > budget / 2
+    st = PolicyState(table.fixed_best, last_switch_s=0.0)
+    kw = dict(recent=np.full(4, peak), recent_peak=peak, error_budget=budget)
+    d = decide_scale(st, 1e5, peak, band(peak), table, **kw)
+    assert d.switch and d.recommended == w4, d.text
+    d = decide_scale(st, 1e5, peak, band(peak), table, growth=0.5, **kw)
+    assert not d.switch, d.text
+    # capped: growth 5 is bet as bet_growth_max
+    capped = ScaleConfig(bet_growth_max=0.1)
+    assert decide_scale(st, 1e5, peak, band(peak), table, capped, growth=5.0, **kw).recommended == w4
+    with pytest.raises(ValueError):
+        ScaleConfig(bet_growth_quantile=1.5)
+    with pytest.raises(ValueError):
+        ScaleConfig(bet_growth_max=0.05)
 
 
 def test_scale_downs_keep_the_days_switch_budget_at_its_pace(table):
