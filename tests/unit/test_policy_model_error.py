@@ -79,19 +79,44 @@ def test_model_error_replay_counts_on_the_slower_host():
     json.dumps([same, worse, margin])
 
 
+def _run_grid_bench(tmp_path, monkeypatch, main, series, gpu: str) -> tuple[str, dict]:
+    """Run a grid bench's ``main`` on ``series`` as the only trace; its table and its JSON."""
+    (tmp_path / "traces" / "synthetic").mkdir(parents=True)
+    write_canonical(series, tmp_path / "traces" / "synthetic" / "diurnal.csv")
+    out = tmp_path / "bench.md"
+    monkeypatch.setattr("sys.argv", ["bench.py", "--gpu", gpu, "--traces", str(tmp_path / "traces"),
+                                     "--out", str(out)])
+    main()
+    return out.read_text(), json.loads((tmp_path / "bench.md.json").read_text())
+
+
 def test_load_sweep_bench_writes_its_table_and_json(tmp_path, monkeypatch, capsys):
     import bench.policy_load_sweep as sweep
 
-    (tmp_path / "traces" / "synthetic").mkdir(parents=True)
-    write_canonical(_diurnal(), tmp_path / "traces" / "synthetic" / "diurnal.csv")
     monkeypatch.setattr(sweep, "SWEEP", (0.6, 0.65))
-    out = tmp_path / "sweep.md"
-    monkeypatch.setattr("sys.argv", ["policy_load_sweep.py", "--gpu", "h200", "--traces",
-                                     str(tmp_path / "traces"), "--out", str(out)])
-    sweep.main()
-    md = out.read_text()
+    md, doc = _run_grid_bench(tmp_path, monkeypatch, sweep.main, _diurnal(), "h200")
     assert "4/4** runs keep every day" in md and "| diurnal | llama2-70b | 2/2 |" in md
-    doc = json.loads((tmp_path / "sweep.md.json").read_text())
     assert {(r["model"], r["K"]) for r in doc["runs"]} == {
         (m, k) for m in ("llama2-7b", "llama2-70b") for k in (0.6, 0.65)}
     assert doc["meta"]["seconds"] >= 0 and md in capsys.readouterr().out
+
+
+def test_stress_bench_replays_every_variant_and_writes_its_table(tmp_path, monkeypatch, capsys):
+    """bench/policy_stress.py: each trace reversed, twice as fast and noisy, same windows and
+    request counts in total where the variant keeps them, replayed like the grid."""
+    import bench.policy_stress as stress
+
+    s = _diurnal(days=1)
+    rev, fast, noisy = (stress.variant(s, k) for k in stress.VARIANTS)
+    assert np.array_equal(rev.requests, s.requests[::-1]) and rev.name == "diurnal-rev"
+    assert len(fast.requests) == len(s.requests) and fast.requests.sum() == pytest.approx(s.requests.sum())
+    assert np.array_equal(fast.requests[:72], fast.requests[72:])  # the day twice, as fast
+    assert not np.array_equal(noisy.requests, s.requests) and np.all(noisy.requests > 0)
+    with pytest.raises(ValueError):
+        stress.variant(s, "sideways")
+    monkeypatch.setattr("bench.policy_savings_table.LOAD_SCALES", (0.6,))
+    md, doc = _run_grid_bench(tmp_path, monkeypatch, stress.main, s, "h100")
+    assert "6/6** runs keep every day" in md and "| rev | 2/2 |" in md
+    assert {(r["variant"], r["model"]) for r in doc["runs"]} == {
+        (v, m) for v in stress.VARIANTS for m in ("llama2-7b", "llama2-70b")}
+    assert md in capsys.readouterr().out
