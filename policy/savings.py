@@ -602,11 +602,11 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
                 recent = None
             band = Band(W, mean[w], upper[w], scen[w] * scale, fnames[w])
             seas = float(rates[w - day_n]) if w >= day_n else math.nan
-            obs = ~np.isnan(rates[lo:w])  # fixed-best's mean in-SLO rate over the last 24 h
+            day = rates[lo:w]  # the last 24 h, NaN = missing
+            obs = ~np.isnan(day)  # fixed-best's mean in-SLO rate over the last 24 h
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
-            dp = rates[lo:w]
-            dpk = float(np.nanmax(dp)) if w >= day_n and np.any(~np.isnan(dp)) else math.nan
-            grow = observed_growth(rates[lo:w], peak_n, cfg.bet_growth_quantile)
+            dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
+            grow = observed_growth(day, peak_n, cfg.bet_growth_quantile)
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
                              max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk,
                              grow)

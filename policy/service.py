@@ -294,13 +294,13 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
             seasonal = history[i].rate
     budget = (error_budget(table, history, W, now_s, cfg.attainment_bar)
               if cfg.sizing == "risk" else math.inf)
-    day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9 and not math.isnan(w.rate)])
+    # the last 24 h, window after window as the aggregator emitted them (NaN = missing)
+    last_day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9], dtype=float)
+    day = last_day[~np.isnan(last_day)]
     day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
     whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
     day_peak = float(day.max()) if whole_day and day.size else math.nan
-    # the jumps of the last 24 h, window after window (missing windows count as no traffic, as in
-    # a replay); the history is one window after the other
-    last_day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9], dtype=float)
+    # its jumps (missing windows count as no traffic, as in a replay)
     growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile)
     return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth)
 
