@@ -330,6 +330,7 @@ class RedisHA:
                 s.start(timeout, preexec_fn)
             self.wait_synced(timeout)
             self.wait_watched(timeout)
+            self.wait_acknowledging(timeout)
         except BaseException:
             self.stop()
             raise
@@ -350,6 +351,32 @@ class RedisHA:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"replica on {rep.port} did not sync")
                 time.sleep(0.05)
+
+    def wait_acknowledging(self, timeout: float = 30) -> None:
+        """Until the primary the sentinels name lists every replica online (ROLE) and a WAIT
+        for all of them returns in time. A replica's link is up (:meth:`wait_synced`) up to a
+        second before the primary counts it online; a client that starts in that gap sees no
+        replica, and on a loaded machine its first acknowledged write could time out."""
+        import redis  # noqa: PLC0415
+
+        want = len(self.replicas)
+        deadline = time.monotonic() + timeout
+        while True:
+            port = self.primary_port()
+            if port is not None:
+                try:
+                    with redis.Redis(port=port, password=self.password, socket_timeout=2,
+                                     decode_responses=True) as r:
+                        role = r.execute_command("ROLE")
+                        online = len(role[2]) if role[0] == "master" else -1
+                        if online >= want and int(r.execute_command("WAIT", want, 500)) >= want:
+                            return
+                except (redis.RedisError, OSError):
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the primary does not acknowledge writes on {want} "
+                                   f"replica(s)")
+            time.sleep(0.05)
 
     def wait_watched(self, timeout: float = 30) -> None:
         """Until every sentinel sees the primary up and knows the other sentinels (before
