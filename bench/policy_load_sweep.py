@@ -39,7 +39,9 @@ def main() -> None:
     lines = [f"# Auto's worst day across load scales ({a.gpu}x8 profiles)", "",
              f"K = {SWEEP[0]:.2f} … {SWEEP[-1]:.2f} in steps of 0.05, every trace x {{7B, 70B}}: "
              f"**{len(ok)}/{len(runs)}** runs keep every day ≥ 99 % of fixed-best's in-SLO "
-             f"requests (worst {min(r['auto_worst_day'] for r in runs):.4f}); reactive: "
+             f"requests (worst {min(r['auto_worst_day'] for r in runs):.4f}); "
+             f"{sum(r['auto_switches_max_day'] <= 12 for r in runs)}/{len(runs)} within 12 switches on every "
+             f"day ({sum(r['auto_switches_max_24h'] <= 12 for r in runs)}/{len(runs)} in every 24 h); reactive: "
              f"{sum(r['reactive_worst_day'] >= 0.99 for r in runs)}/{len(runs)}.", "",
              "| trace | model | runs ≥ 99 % | worst day (at K) | mean auto GPU-h fraction |",
              "|---|---|---:|---|---:|"]

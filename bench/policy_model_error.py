@@ -66,7 +66,8 @@ def replay(series, profile, K: float, m: float, s: float, cfg: ScaleConfig,
         return float(min(a / b for a, b in zip(run.good_by_day, best.good_by_day) if b > 0))
 
     out = dict(auto_worst_day=round(worst(auto), 5), reactive_worst_day=round(worst(reactive), 5),
-               auto_gpu_hours_fraction=round(float(auto.gpu_s / best.gpu_s), 4))
+               auto_gpu_hours_fraction=round(float(auto.gpu_s / best.gpu_s), 4),
+               auto_switches_max_day=auto.switches_max_day, auto_switches_max_24h=auto.switches_max_24h)
     if cal is not None:
         sd = np.asarray(cal.slowdowns or [m])
         out.update(calibrated_median=round(float(np.median(sd)), 3),

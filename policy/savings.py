@@ -70,6 +70,8 @@ class Run:
     ttft_ms: float = math.nan
     decisions: list | None = None
     lower_bound_gpu_s: float = math.nan  # oracle-constrained: no path keeping its rules holds fewer (per day, same start)
+    switches_max_day: int = 0  # the most switches in one day of the trace (day 0 starts at its first window)
+    switches_max_24h: int = 0  # the most in any 24 h (what a rolling budget counts)
 
 
 @dataclass
@@ -130,6 +132,8 @@ class SavingsEvaluation:
             "relative_attainment_mean": {n: round(self.relative_attainment(n)[0], 6) for n in names},
             "mean_tpot_ms": {n: round(self.runs[n].tpot_ms, 3) for n in names},
             "mean_ttft_ms": {n: round(self.runs[n].ttft_ms, 3) for n in names},
+            "switches_max_day": {n: self.runs[n].switches_max_day for n in names},
+            "switches_max_24h": {n: self.runs[n].switches_max_24h for n in names},
         }
         if "oracle-constrained" in self.runs and self.objective == "gpu-hours":
             c = self.captured_share_constrained()
@@ -196,15 +200,21 @@ def account(table: CapacityTable, rates: np.ndarray, W: float, day_idx: np.ndarr
             tpot[m] = np.interp(rr, c.load_rps, c.tpot_p50_s) * 1e3
             ttft[m] = np.interp(rr, c.load_rps, c.ttft_p50_s) * 1e3
     sw = 0
+    at: list[int] = []
     for w in range(1, len(topos)):
         if topos[w] != topos[w - 1]:
             sw += 1
+            at.append(w)
             if valid[w]:
                 good[w] -= sc.switch_cost(topos[w - 1], topos[w], float(r[w]))
     good = np.where(valid, good, 0.0)
     worlds = np.array([t.world_size for t in topos], dtype=float)
     run = Run(name, list(topos), gpu_s=float((worlds * W)[valid].sum()), good_req=float(good.sum()),
               offered_req=float((r * W)[valid].sum()), switches=sw)
+    if at:
+        run.switches_max_day = int(np.bincount(day_idx[at]).max())
+        ends = np.searchsorted(at, np.asarray(at) + max(1, int(round(DAY_S / W))))
+        run.switches_max_24h = int((ends - np.arange(len(at))).max())
     run.good_by_day = np.bincount(day_idx[valid], weights=good[valid], minlength=ndays)
     wts = (r * W)[valid]
     if wts.sum() > 0:

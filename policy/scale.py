@@ -29,13 +29,18 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
 - **Scale up at once** (no dwell, never held by the budget) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
   day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
-  peak (``last_up`` "day-peak", once a whole day is observed), else to the largest.
+  peak (``last_up`` "day-peak", once a whole day is observed), else to the largest. With no
+  switch left (load passed even that), to the largest, one switch over the day's budget, only
+  when one window at the bet would spend the whole SLO error budget left ("hold-budget" until
+  then).
 - **Scale down** (with ``step_down``, to no fewer GPUs than ``step_ratio`` x those held, or the
   next smaller world size when none lies between: 8 -> 6 -> 5 -> 4 -> 3 -> 2 -> 1 on a host with
   every world size, 8 -> 4 -> 2 -> 1 on one with 1, 2, 4, 8) when a smaller one qualifies,
   after the dwell (max(``min_dwell_s``, ``min_dwell_windows`` windows)), after a warm-up of as many
   observed windows in a row as the recent span (at the start and after a gap), with one switch of
-  the rolling-24-h budget kept for a scale-up, at the budget's pace (fewer switches in the last
+  the rolling-24-h budget kept for a scale-up (``down_reserve``, 2, once the last scale-up is
+  sized by the day's peak: the one before it must not be spent on a scale-down, or a load past the
+  day's peak would need a switch over the budget), at the budget's pace (fewer switches in the last
   ``pace_span_s`` than ``max_switches_per_day`` x ``pace_span_s`` / 24 h + ``pace_slack``: with
   12/day, 3 h and 1, a scale-down waits once 3 switches fell in the last 3 h, so a ladder with
   many sizes does not spend the day's switches in its morning), and when the saving over the
@@ -109,6 +114,9 @@ class ScaleConfig:
     #                            covering last_up_margin x the last 24 h's peak ("day-peak", once a
     #                            day is observed), or to the largest ("largest")
     last_up_margin: float = 1.1
+    # a scale-down waits while the rolling day has this many switches or fewer left, once the day's
+    # last scale-up is sized by the day (last_up "day-peak" with a day observed; 1 otherwise)
+    down_reserve: int = 2
     # the bet's growth is at least this quantile of the jumps the last 24 h showed (a window's
     # rate over the peak of the peak_s before it, minus 1), at most bet_growth_max: a trace
     # whose rate has tripled within an hour before is bet to do so again (0: bet_growth alone)
@@ -124,6 +132,8 @@ class ScaleConfig:
             raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
             raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
+        if not 1 <= self.down_reserve < self.max_switches_per_day:
+            raise ValueError("1 <= down_reserve < max_switches_per_day")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
                 and self.quiet_budget_max >= 1 and self.bet_growth >= 0
                 and 0 < self.step_ratio <= 1 and self.pace_span_s >= 0 and self.pace_slack >= 0):
@@ -354,7 +364,8 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     risk_n = max(run, 1)
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, risk_n, n_down,
-                            state.switches_in_last(now_s, cfg.pace_span_s))
+                            state.switches_in_last(now_s, cfg.pace_span_s),
+                            not math.isnan(_last_need(cfg, day_peak)))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "
@@ -396,18 +407,22 @@ def _last_need(cfg: ScaleConfig, day_peak: float) -> float:
 
 def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: float,
                      dwell_left: float, used: int, left: int, cfg: ScaleConfig, risk_n: int,
-                     need: float, paced: int = 0) -> "ScaleDecision | None":
+                     need: float, paced: int = 0, sized_last: bool = False) -> "ScaleDecision | None":
     """Why a worthwhile scale-down to ``tgt`` waits (a hold decision), or None when it may go:
-    the dwell since the last switch, the day's switch budget (one switch kept for a scale-up),
+    the dwell since the last switch, the day's switch budget (one switch kept for a scale-up;
+    ``down_reserve`` when ``sized_last``, the day's last scale-up sized by the day's peak rather
+    than the whole host: a scale-down that left one would make the next scale-up that last one,
+    and a load past the day's peak after it would need a switch over the budget),
     the pace (``paced`` switches in the last ``pace_span_s`` already at the day's budget spread
     evenly over that span, plus ``pace_slack``), a saving that does not beat the switch's cost
     weighted by the budget left."""
     if dwell_left > 0:
         return out(cur, "hold-dwell", f"{tgt} would save {saving:.2f} GPU-h; dwell {dwell_left:.0f} s left",
                    saving, "gpu-hours", risk_n, need)
-    if left <= 1:
+    reserve = cfg.down_reserve if sized_last else 1
+    if left <= reserve:
         return out(cur, "hold-budget", f"{tgt} would save {saving:.2f} GPU-h; {used}/{cfg.max_switches_per_day} "
-                   "switches in 24 h (one kept for a scale-up)", saving, "gpu-hours", risk_n, need)
+                   f"switches in 24 h ({reserve} kept for scale-ups)", saving, "gpu-hours", risk_n, need)
     pace = cfg.pace_slack + cfg.max_switches_per_day * cfg.pace_span_s / DAY_S
     if cfg.pace_span_s > 0 and paced >= pace:
         return out(cur, "hold-pace", f"{tgt} would save {saving:.2f} GPU-h; {paced} switches in the "
@@ -496,8 +511,17 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         return max(table.order, key=lambda t: table.slo_cap[t])
 
     now = ok(1)
-    if (now.get(cur, math.inf) > eps or table.slo_cap.get(cur, 0.0) < cfg.floor_rps
-            or bet(cur) > cfg.budget_share * error_budget):
+    up = (now.get(cur, math.inf) > eps or table.slo_cap.get(cur, 0.0) < cfg.floor_rps
+          or bet(cur) > cfg.budget_share * error_budget)
+    if up and left <= 0 and table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and bet(cur) <= error_budget:
+        # no switch left in the rolling day: a scale-up goes over the budget only when the day's
+        # bar is at stake (one window at the bet would spend the whole SLO error budget left), not
+        # for an expected loss just past loss_budget
+        return out(cur, "hold-budget", f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}, "
+                   f"but {used}/{cfg.max_switches_per_day} switches in 24 h and the day's SLO error budget "
+                   f"({error_budget:.3g} requests) absorbs a window at the recent peak", 0.0, "gpu-hours", 1,
+                   n_now)
+    if up:
         return _scale_up(out, table, cur, cheapest(ok(up_n)), up_n, W,
                          f"expected loss {now.get(cur, 1.0):.2%}",
                          f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now, left,
@@ -533,7 +557,8 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     cost = (lost * table.request_cost_gpu_s(cfg)
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now,
-                            state.switches_in_last(now_s, cfg.pace_span_s))
+                            state.switches_in_last(now_s, cfg.pace_span_s),
+                            not math.isnan(_last_need(cfg, day_peak)))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "

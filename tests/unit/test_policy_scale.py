@@ -9,7 +9,7 @@ import pytest
 from ops.policy_cli import main
 from policy.decide import PolicyState
 from policy.profiles import load_profile
-from policy.savings import POLICIES, RESULT_KEYS, run_savings
+from policy.savings import POLICIES, RESULT_KEYS, account, run_savings
 from policy.scale import Band, CapacityTable, ScaleConfig, decide_scale, observed_growth
 from policy.traces import WindowSeries, write_canonical
 from remp.topology import Topology
@@ -354,8 +354,8 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     """Once a whole day has been observed (``day_peak`` known), the day's last scale-up goes to
     the cheapest topology covering 1.1 x the last 24 h's peak instead of the whole host (held
     for hours until a switch ages out); never below the target the load itself asks for. With
-    no switch left at all (load passed even that) it goes to the largest: one switch over the
-    budget rather than the SLO lost. ``last_up`` "largest" keeps the older rule."""
+    no switch left at all (load passed even that) it goes to the largest, one switch over the
+    budget, only when the day's SLO error budget cannot absorb another window. ``last_up`` "largest" keeps the older rule."""
     w2 = max((o for o in table.order if o.world_size == 2), key=lambda o: table.slo_cap[o])
     w4 = max((o for o in table.order if o.world_size == 4), key=lambda o: table.slo_cap[o])
     largest = max(table.order, key=lambda o: table.slo_cap[o])
@@ -377,15 +377,64 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     assert decide_scale(last, now, x, band(x), table, **kw).recommended == largest
     old = ScaleConfig(last_up="largest")
     assert decide_scale(last, now, x, band(x), table, old, day_peak=day_peak, **kw).recommended == largest
-    # no switch left (the last one went to the day's peak and load passed it): the largest
+    # no switch left (the last one went to the day's peak and load passed it): the largest, once
+    # one window at the bet would spend the day's whole SLO error budget left; while the budget
+    # absorbs it, the 12/day budget holds (an expected loss past loss_budget alone is not enough)
     spent = PolicyState(w4, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(12)))
     y = 1.2 * table.slo_cap[w4]
-    d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=1e9)
+    d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=0.0)
     assert d.switch and d.recommended == largest
+    d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=1e9)
+    assert not d.switch and d.reason == "hold-budget" and "absorbs" in d.text, d.text
     with pytest.raises(ValueError):
         ScaleConfig(last_up="biggest")
     with pytest.raises(ValueError):
         ScaleConfig(last_up_margin=0.9)
+
+
+def test_a_scale_down_keeps_two_switches_once_the_last_one_is_sized_by_the_day(table):
+    """Once the day's last scale-up is sized by the day (``day_peak`` known), a scale-down waits
+    with 2 switches left: a scale-down that left 1 would make the next scale-up that last one, on
+    the day's peak, held for hours; and should load pass the day's peak after it, the scale-up
+    over that would break the 12/day budget. Before a day is observed the last scale-up takes the
+    whole host (no second one can follow) and a scale-down keeps 1, as before."""
+    big, low, now = table.fixed_best, 0.5, 1e6
+    two_left = PolicyState(big, last_switch_s=now - 7200,
+                           switch_times_s=tuple(now - 80000 + 600 * k for k in range(10)))
+    kw = dict(recent=np.full(3, low), error_budget=1e9)
+    held = decide_scale(two_left, now, low, band(low), table, day_peak=20.0, **kw)
+    assert not held.switch and held.reason == "hold-budget", held.text
+    assert ScaleConfig().down_reserve == 2
+    assert decide_scale(two_left, now, low, band(low), table, **kw).reason == "scale-down"
+    one = decide_scale(two_left, now, low, band(low), table, ScaleConfig(down_reserve=1),
+                       day_peak=20.0, **kw)
+    assert one.switch and one.reason == "scale-down"
+    three_left = PolicyState(big, two_left.last_switch_s, two_left.switch_times_s[1:])
+    assert decide_scale(three_left, now, low, band(low), table, day_peak=20.0, **kw).switch
+    # scale-ups are never held by it
+    small = table.cheapest_covering(1.0)
+    hot = table.slo_cap[small] * 1.5
+    up = decide_scale(PolicyState(small, two_left.last_switch_s, two_left.switch_times_s), now, hot,
+                      band(hot), table, recent=np.full(3, hot), error_budget=1e9, day_peak=20.0)
+    assert up.switch and up.reason == "scale-up"
+    with pytest.raises(ValueError):
+        ScaleConfig(down_reserve=0)
+
+
+def test_the_replay_counts_the_busiest_day_and_the_busiest_24_h(table):
+    """switches/day is a mean; the 12/day target holds on every day. A path of 1-h windows over
+    two days with 8 switches late on day 0 and 8 early on day 1: the busiest day holds 8, the
+    busiest 24 h 16."""
+    a, b = table.fixed_best, table.order[0]
+    W, n = 3600.0, 48
+    topos = [a] * n
+    for w in list(range(16, 24, 2)) + list(range(24, 32, 2)):
+        topos[w] = b  # a switch to b at w and back at w + 1
+    day = np.arange(n) // 24
+    run = account(table, np.full(n, 1.0), W, day, 2, "p", topos)
+    assert run.switches == 16 and run.switches_max_day == 8 and run.switches_max_24h == 16
+    flat = account(table, np.full(n, 1.0), W, day, 2, "flat", [a] * n)
+    assert flat.switches_max_day == flat.switches_max_24h == 0
 
 
 def test_the_bet_allows_the_next_window_to_rise_past_the_recent_peak(table):
