@@ -56,7 +56,7 @@ class PolicySettings(BaseSettings):
                                             "windows)")
     max_switches_per_day: int | None = Field(None, ge=0, description="rolling 24 h (default: "
                                              "goodput 6; gpu-hours and latency 12, scale-ups "
-                                             "never held)")
+                                             "held only with none left)")
     loss_budget: float = Field(ScaleConfig.loss_budget, gt=0, lt=1, description="gpu-hours: "
                                "the expected share of the whole host's in-SLO requests a "
                                "choice may lose")
@@ -84,7 +84,7 @@ class PolicySettings(BaseSettings):
             raise ValueError("horizon_seconds must be at least one window_seconds")
         if self.objective != "goodput" and self.max_switches_per_day == 0:
             raise ValueError("max_switches_per_day must be at least 1 for objective "
-                             f"{self.objective} (scale-ups are never held by it)")
+                             f"{self.objective} (a scale-up needs a switch)")
         return self
 
     def policy_config(self) -> PolicyConfig:

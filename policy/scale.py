@@ -26,7 +26,7 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   ``bet_growth``, or the ``bet_growth_quantile`` of the jumps the last 24 h showed
   (``observed_growth``: a window's rate over the peak of the ``peak_s`` before it) where that is
   larger, at most ``bet_growth_max``: traffic that has leapt before is bet to leap again.
-- **Scale up at once** (no dwell, never held by the budget) when the current one does not
+- **Scale up at once** (no dwell, never held by the budget while a switch is left) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
   day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
   peak (``last_up`` "day-peak", once a whole day is observed), else to the largest. With no
@@ -87,7 +87,7 @@ class ScaleConfig:
     min_dwell_s: float = 0.0  # no scale-down sooner than this after the last switch (and min_dwell_windows)
     down_cover_s: float = 1800.0  # a scale-down target must cover the band this long
     horizon_s: float = 3 * 3600.0  # saving is counted over at most this
-    max_switches_per_day: int = 12  # rolling 24 h; scale-ups are never held by it
+    max_switches_per_day: int = 12  # rolling 24 h; scale-ups are held by it only with none left (see _decide_risk)
     floor_rps: float = 0.05  # absolute floor of the load the policy sizes for
     attainment_bar: float = 0.99
     request_cost_gpu_s: float | None = None  # a lost request's value; None: 50 x GPU-s/request at best capacity
@@ -132,8 +132,8 @@ class ScaleConfig:
             raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
             raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
-        if not 1 <= self.down_reserve < self.max_switches_per_day:
-            raise ValueError("1 <= down_reserve < max_switches_per_day")
+        if not self.down_reserve >= 1:
+            raise ValueError("down_reserve >= 1")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
                 and self.quiet_budget_max >= 1 and self.bet_growth >= 0
                 and 0 < self.step_ratio <= 1 and self.pace_span_s >= 0 and self.pace_slack >= 0):
@@ -419,7 +419,8 @@ def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: flo
     if dwell_left > 0:
         return out(cur, "hold-dwell", f"{tgt} would save {saving:.2f} GPU-h; dwell {dwell_left:.0f} s left",
                    saving, "gpu-hours", risk_n, need)
-    reserve = cfg.down_reserve if sized_last else 1
+    # never all of a small budget: with 2 switches a day, one scale-down and one scale-up
+    reserve = min(cfg.down_reserve, max(cfg.max_switches_per_day - 1, 1)) if sized_last else 1
     if left <= reserve:
         return out(cur, "hold-budget", f"{tgt} would save {saving:.2f} GPU-h; {used}/{cfg.max_switches_per_day} "
                    f"switches in 24 h ({reserve} kept for scale-ups)", saving, "gpu-hours", risk_n, need)

@@ -355,7 +355,8 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     the cheapest topology covering 1.1 x the last 24 h's peak instead of the whole host (held
     for hours until a switch ages out); never below the target the load itself asks for. With
     no switch left at all (load passed even that) it goes to the largest, one switch over the
-    budget, only when the day's SLO error budget cannot absorb another window. ``last_up`` "largest" keeps the older rule."""
+    budget, only when the day's SLO error budget cannot absorb another window. ``last_up``
+    "largest" keeps the older rule."""
     w2 = max((o for o in table.order if o.world_size == 2), key=lambda o: table.slo_cap[o])
     w4 = max((o for o in table.order if o.world_size == 4), key=lambda o: table.slo_cap[o])
     largest = max(table.order, key=lambda o: table.slo_cap[o])
@@ -419,6 +420,10 @@ def test_a_scale_down_keeps_two_switches_once_the_last_one_is_sized_by_the_day(t
     assert up.switch and up.reason == "scale-up"
     with pytest.raises(ValueError):
         ScaleConfig(down_reserve=0)
+    # a small budget is never all reserve: with 2 switches a day, one scale-down and one scale-up
+    small_day = ScaleConfig(max_switches_per_day=2)
+    fresh = PolicyState(big, last_switch_s=now - 7200)
+    assert decide_scale(fresh, now, low, band(low), table, small_day, day_peak=20.0, **kw).switch
 
 
 def test_the_replay_counts_the_busiest_day_and_the_busiest_24_h(table):
