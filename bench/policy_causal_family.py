@@ -109,7 +109,8 @@ class Replay:
         return out
 
     def score(self, path: np.ndarray) -> tuple[float, float, float]:
-        """(GPU-hour fraction of fixed-best, worst day's relative attainment, switches/day)."""
+        """(GPU-hour fraction of fixed-best, worst day's relative attainment, switches on the
+        busiest day: the 12/day rule holds on every day, not on average)."""
         n = len(path)
         good = self.G[path, np.arange(n)].copy()
         sw = np.nonzero(path[1:] != path[:-1])[0] + 1
@@ -121,7 +122,7 @@ class Replay:
         by_day = np.bincount(self.day_idx[v], weights=good[v], minlength=self.ndays)
         att = min((a / b for a, b in zip(by_day, self.base_day) if b > 0), default=1.0)
         frac = float((self.worlds[path] * self.W)[v].sum()) / self.host_gpu_s
-        return frac, float(att), len(sw) / max(self.days, 1.0)
+        return frac, float(att), float(np.bincount(self.day_idx[sw]).max()) if sw.size else 0.0
 
 
 def members(family: str = "headroom"):
@@ -195,7 +196,7 @@ def main() -> None:
         return x[1] >= 0.99 - 1e-12 and x[2] <= 12 + 1e-9
 
     rows = ["| trace | set | model | K | oracle | 80 % target | reactive | auto | hindsight-best member "
-            "| its GPU-h | its worst day | its sw/day | captured | reaches 80 % | beats reactive |", "|" + "---|" * 15]
+            "| its GPU-h | its worst day | its busiest day (switches) | captured | reaches 80 % | beats reactive |", "|" + "---|" * 15]
     reach = beat = n_sav = 0
     per_run = []
     for rec, res in results:
