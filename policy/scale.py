@@ -340,9 +340,12 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
         return out(tgt, "lower-latency", f"{cur} -> {tgt}: TPOT -{gain_ms:.1f} ms at {mean0:.3g} req/s",
                    gain_ms, "tpot-ms", cover_n, n_down)
 
+    # the load the day's last scale-up must cover (NaN: the largest topology); a known one makes
+    # scale-downs keep down_reserve switches
+    last_need = _last_need(cfg, day_peak)
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
-                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, day_peak,
+                            up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, last_need,
                             growth)
 
     # gpu-hours, sizing "band"
@@ -350,7 +353,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
         return _scale_up(out, table, cur, table.cheapest_covering(n_plan), up_n, W,
                          f"load {n_now:.3g} req/s with headroom",
                          f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan, left,
-                         _last_need(cfg, day_peak))
+                         last_need)
     tgt = table.cheapest_covering(n_down)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs covering {n_down:.3g} req/s", 0.0, "gpu-hours",
@@ -364,8 +367,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     risk_n = max(run, 1)
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, risk_n, n_down,
-                            state.switches_in_last(now_s, cfg.pace_span_s),
-                            not math.isnan(_last_need(cfg, day_peak)))
+                            state.switches_in_last(now_s, cfg.pace_span_s), not math.isnan(last_need))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "
@@ -464,7 +466,7 @@ def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.
 
 def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                  up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput,
-                 day_peak, growth):  # noqa: ANN001 - see decide_scale
+                 last_need, growth):  # noqa: ANN001 - see decide_scale (last_need: _last_need)
     """gpu-hours with sizing "risk" (see the module docstring)."""
     W = band.window_s
     cur = state.current
@@ -512,9 +514,10 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         return max(table.order, key=lambda t: table.slo_cap[t])
 
     now = ok(1)
+    cur_bet = bet(cur)
     up = (now.get(cur, math.inf) > eps or table.slo_cap.get(cur, 0.0) < cfg.floor_rps
-          or bet(cur) > cfg.budget_share * error_budget)
-    if up and left <= 0 and table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and bet(cur) <= error_budget:
+          or cur_bet > cfg.budget_share * error_budget)
+    if up and left <= 0 and table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and cur_bet <= error_budget:
         # no switch left in the rolling day: a scale-up goes over the budget only when the day's
         # bar is at stake (one window at the bet would spend the whole SLO error budget left), not
         # for an expected loss just past loss_budget
@@ -526,7 +529,7 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         return _scale_up(out, table, cur, cheapest(ok(up_n)), up_n, W,
                          f"expected loss {now.get(cur, 1.0):.2%}",
                          f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}", n_now, left,
-                         _last_need(cfg, day_peak))
+                         last_need)
     tgt = cheapest(now)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%}", 0.0, "gpu-hours",
@@ -558,8 +561,7 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     cost = (lost * table.request_cost_gpu_s(cfg)
             + table.profile.downtime_s(cur, tgt) * cur.world_size) / 3600.0
     held = _hold_scale_down(out, cur, tgt, saving, cost, dwell_left, used, left, cfg, run, n_now,
-                            state.switches_in_last(now_s, cfg.pace_span_s),
-                            not math.isnan(_last_need(cfg, day_peak)))
+                            state.switches_in_last(now_s, cfg.pace_span_s), not math.isnan(last_need))
     if held is not None:
         return held
     return out(tgt, "scale-down", f"{cur} -> {tgt}: release {cur.world_size - tgt.world_size} GPUs, "

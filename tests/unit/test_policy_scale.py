@@ -412,7 +412,7 @@ def test_a_scale_down_keeps_two_switches_once_the_last_one_is_sized_by_the_day(t
     assert one.switch and one.reason == "scale-down"
     three_left = PolicyState(big, two_left.last_switch_s, two_left.switch_times_s[1:])
     assert decide_scale(three_left, now, low, band(low), table, day_peak=20.0, **kw).switch
-    # scale-ups are never held by it
+    # scale-ups are not held by it (a switch is left)
     small = table.cheapest_covering(1.0)
     hot = table.slo_cap[small] * 1.5
     up = decide_scale(PolicyState(small, two_left.last_switch_s, two_left.switch_times_s), now, hot,
