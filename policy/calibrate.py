@@ -12,11 +12,21 @@ requests) — ``floor`` being the operator's
 ``--profile-slowdown``, so calibration only ever makes the policy more careful than configured,
 never less: a host that looks faster than its profile keeps the profile.
 
+The agent reports the mean TTFT of the requests that reached their first token in each window
+too; the TTFT side is calibrated the same way (:func:`implied_ttft_slowdown`: the ``s`` with
+which the profile's *mean* TTFT at ``s · rate`` — a lognormal through its p50 and p90,
+:func:`mean_ttft` — times ``s`` equals the observed mean), with ``s`` as its floor: the TTFT is
+taken as at least as much slower as the TPOT says (the one-factor assumption, all there was
+before TTFT was read), more when the TTFT says so. The policy then decides on
+:func:`calibrated_profile` ``(profile, s, s_ttft)``: every curve taken as ``s`` x slower, its
+TTFT as ``s_ttft`` x slower (each with its own load scaling).
+
 What it corrects and what not: a profile that is wrong by one factor on every engine time (the
 model's kernels slower or faster than the host's, the traffic's requests longer than the profile's
-reference request). It reads decode (TPOT) only; a prefill-only error is not seen. Windows with
-fewer than ``min_requests`` finished requests, or across a switch (the requests finishing there
-ran partly on the old topology), are not used.
+reference request), and one whose prefill (TTFT) is wrong by another factor than its decode
+(TPOT). A TPOT error that shows only under load the host has not carried yet is not seen. Windows
+with fewer than ``min_requests`` finished requests, or across a switch (the requests finishing
+there ran partly on the old topology), are not used.
 """
 
 from __future__ import annotations
@@ -40,12 +50,16 @@ class CalibrationConfig:
     min_requests: int = 20  # a window counts with at least this many finished requests
     step: float = 0.025  # the calibrated slowdown is rounded to this
     ceiling: float = HI
+    # the TTFT side needs this many windows in the span (a TTFT factor other than the TPOT's
+    # reorders the topologies, so one noisy window must not set it: with 1-h windows it is
+    # never set and the TTFT follows the TPOT)
+    ttft_min_windows: int = 2
 
     def __post_init__(self) -> None:
         if not (self.span_s > 0 and self.min_total >= 1 and self.min_requests >= 1
-                and 0 < self.step <= 0.5 and LO <= self.ceiling <= HI):
+                and 0 < self.step <= 0.5 and LO <= self.ceiling <= HI and self.ttft_min_windows >= 1):
             raise ValueError("span_s > 0, min_total >= 1, min_requests >= 1, 0 < step <= 0.5, "
-                             f"ceiling within [{LO}, {HI}]")
+                             f"ceiling within [{LO}, {HI}], ttft_min_windows >= 1")
 
 
 @dataclass(frozen=True)
@@ -59,24 +73,48 @@ class Observation:
     implied: float
 
 
+Z90 = 1.2815515655446004  # the standard normal's 0.9 quantile
+
+
 def implied_slowdown(curve: TopologyCurve, rate: float, tpot_s: float) -> float:
     """The ``s`` with ``s · tpot_p50(s · rate) = tpot_s`` on ``curve`` (the base profile's),
     clamped into [0.25, 4]; NaN when the observation says nothing (no rate, no TPOT)."""
     if not (math.isfinite(rate) and rate >= 0 and math.isfinite(tpot_s) and tpot_s > 0):
         return math.nan
     x, y = np.asarray(curve.load_rps), np.asarray(curve.tpot_p50_s)
+    # non-decreasing in s (TPOT never falls with load)
+    return _invert(lambda s: s * float(np.interp(min(s * rate, curve.capacity_rps), x, y)), tpot_s)
 
-    def f(s: float) -> float:  # non-decreasing in s (TPOT never falls with load)
-        return s * float(np.interp(min(s * rate, curve.capacity_rps), x, y))
 
-    if f(LO) >= tpot_s:
+def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
+    """The mean TTFT ``curve`` predicts at ``rate`` on the profile taken as ``s`` x slower: the
+    mean of a lognormal through its TTFT p50 and p90 at ``s · rate``, times ``s``. (The agent
+    reports a mean; TTFT's tail — long prompts, queueing — puts it above the median.)"""
+    r = min(s * rate, curve.capacity_rps)
+    p50 = float(np.interp(r, curve.load_rps, curve.ttft_p50_s))
+    p90 = float(np.interp(r, curve.load_rps, curve.ttft_p90_s))
+    sigma = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
+    return s * p50 * math.exp(0.5 * sigma * sigma)
+
+
+def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float) -> float:
+    """The ``s`` with ``mean_ttft(curve, rate, s) = ttft_s`` (the observed mean TTFT), clamped
+    into [0.25, 4]; NaN when the observation says nothing."""
+    if not (math.isfinite(rate) and rate >= 0 and math.isfinite(ttft_s) and ttft_s > 0):
+        return math.nan
+    return _invert(lambda s: mean_ttft(curve, rate, s), ttft_s)
+
+
+def _invert(f, target: float) -> float:  # noqa: ANN001 - f: non-decreasing float -> float
+    """The ``s`` in [LO, HI] with ``f(s) = target`` (bisection in log s), clamped."""
+    if f(LO) >= target:
         return LO
-    if f(HI) <= tpot_s:
+    if f(HI) <= target:
         return HI
     lo, hi = math.log(LO), math.log(HI)
     for _ in range(40):
         mid = 0.5 * (lo + hi)
-        if f(math.exp(mid)) < tpot_s:
+        if f(math.exp(mid)) < target:
             lo = mid
         else:
             hi = mid
@@ -84,31 +122,63 @@ def implied_slowdown(curve: TopologyCurve, rate: float, tpot_s: float) -> float:
 
 
 def calibrated_slowdown(observations: Iterable[Observation], now_s: float, floor: float,
-                        cfg: CalibrationConfig) -> float:
+                        cfg: CalibrationConfig, min_windows: int = 1) -> float:
     """The slowdown to decide on: ``max(floor, median implied slowdown over the last span_s)`` —
     the median of the windows weighted by their finished requests — rounded to ``cfg.step``, at
     most ``cfg.ceiling``; ``floor`` while those windows hold fewer than ``cfg.min_total``
-    requests (or calibration is off)."""
+    requests or are fewer than ``min_windows`` (or calibration is off)."""
     if not cfg.enabled:
         return floor
     use = [(o.implied, o.requests) for o in observations
            if now_s - cfg.span_s - 1e-9 <= o.at_s <= now_s + 1e-9 and o.requests >= cfg.min_requests
            and math.isfinite(o.implied)]
-    if sum(n for _, n in use) < cfg.min_total:
+    if sum(n for _, n in use) < cfg.min_total or len(use) < min_windows:
         return floor
     s, n = np.array(sorted(use)).T
     est = float(s[np.searchsorted(np.cumsum(n), 0.5 * n.sum())])
-    est = round(est / cfg.step) * cfg.step
+    est = round(round(est / cfg.step) * cfg.step, 6)
     return float(min(max(floor, est), max(floor, cfg.ceiling)))
 
 
-def calibrated_profile(profile: Profile, s: float) -> Profile:
-    """``profile`` taken as ``s`` x slower, named for what it is: ``<name>-calibrated<s>``."""
-    if s == 1.0:
+def calibrated_profile(profile: Profile, s: float, s_ttft: float | None = None) -> Profile:
+    """``profile`` taken as ``s`` x slower and its TTFT as ``s_ttft`` x slower (None: ``s``; each
+    with its own load scaling: at load λ the TTFT is ``s_ttft · ttft(s_ttft · λ)``, extended
+    linearly past the curve's last load point), named for what it is:
+    ``<name>-calibrated<s>[-ttft<s_ttft>]``."""
+    t = s if s_ttft is None else s_ttft
+    if s == 1.0 and t == 1.0:
         return profile
     p = profile.slowed(s)
-    return replace(p, name=f"{profile.name}-calibrated{s:g}",
-                   notes=f"{profile.notes}; calibrated: the host's observed TPOT says {s:g}x "
+    name, says = f"{profile.name}-calibrated{s:g}", f"TPOT says {s:g}x"
+    if t != s:
+        name, says = f"{name}-ttft{t:g}", f"{says}, its TTFT {t:g}x"
+        p = replace(p, curves=tuple(_ttft_slowed(b, c, t) for b, c in zip(profile.curves, p.curves)))
+    return replace(p, name=name,
+                   notes=f"{profile.notes}; calibrated: the host's observed {says} "
                          f"slower than {profile.name}",
-                   params={**profile.params, "calibrated": s,
+                   params={**profile.params, "calibrated": s, "calibrated_ttft": t,
                            "slowdown": float(profile.params.get("slowdown", 1.0)) * s})
+
+
+def _ttft_slowed(base: TopologyCurve, c: TopologyCurve, t: float) -> TopologyCurve:
+    """``c`` (``base`` taken as some factor slower) with its TTFT at load λ ``t · ttft(t · λ)``
+    on ``base``'s TTFT, extended with the last segment's slope (never falling) past ``base``'s
+    last load. The load points are ``c``'s and ``base``'s scaled by 1 / t (within ``c``'s), so
+    both curves stay exact where they are linear; ``c``'s TPOT is interpolated at the new points."""
+    x = np.asarray(base.load_rps, dtype=float)
+    own = np.asarray(c.load_rps, dtype=float)
+    loads = np.unique(np.concatenate([own, x[x / t <= own[-1]] / t]))
+    loads = loads[np.concatenate([[True], np.diff(loads) > 1e-12 * max(own[-1], 1.0)])]
+
+    def ttft(y: tuple[float, ...]) -> tuple[float, ...]:
+        ys = np.asarray(y, dtype=float)
+        slope = max((ys[-1] - ys[-2]) / (x[-1] - x[-2]), 0.0)
+        q = t * loads
+        return tuple(float(v) for v in t * (np.interp(q, x, ys) + slope * np.maximum(q - x[-1], 0.0)))
+
+    def at(y: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(float(v) for v in np.interp(loads, own, np.asarray(y, dtype=float)))
+
+    return replace(c, load_rps=tuple(float(v) for v in loads), ttft_p50_s=ttft(base.ttft_p50_s),
+                   ttft_p90_s=ttft(base.ttft_p90_s), tpot_p50_s=at(c.tpot_p50_s),
+                   tpot_p90_s=at(c.tpot_p90_s))

@@ -66,10 +66,14 @@ def node_view(st: controller_pb2.NodeState) -> NodeView:
 
 
 def sample_of(t: types_pb2.TrafficSample) -> Sample:
+    """The policy's view of a heartbeat's traffic; a latency sum that is not a positive finite
+    number reads as no latency reported (with its count 0)."""
     tpot_sum = t.tpot_seconds_sum if math.isfinite(t.tpot_seconds_sum) else 0.0
+    ttft_sum = t.ttft_seconds_sum if math.isfinite(t.ttft_seconds_sum) else 0.0
     return Sample(t.at.ToNanoseconds() / 1e9, t.window_seconds, t.requests, t.input_tokens,
                   t.output_tokens, t.running, t.waiting, max(tpot_sum, 0.0),
-                  t.tpot_requests if tpot_sum > 0 else 0)
+                  t.tpot_requests if tpot_sum > 0 else 0, max(ttft_sum, 0.0),
+                  t.ttft_requests if ttft_sum > 0 else 0)
 
 
 def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
@@ -78,7 +82,8 @@ def sample_to_proto(s: Sample) -> types_pb2.TrafficSample:
     return types_pb2.TrafficSample(at=at, window_seconds=s.window_s, requests=s.requests,
                                    input_tokens=s.input_tokens, output_tokens=s.output_tokens,
                                    running=s.running, waiting=s.waiting,
-                                   tpot_seconds_sum=s.tpot_s_sum, tpot_requests=s.tpot_requests)
+                                   tpot_seconds_sum=s.tpot_s_sum, tpot_requests=s.tpot_requests,
+                                   ttft_seconds_sum=s.ttft_s_sum, ttft_requests=s.ttft_requests)
 
 
 class GrpcController:

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile,
-                              calibrated_slowdown, implied_slowdown)
+                              calibrated_slowdown, implied_slowdown, implied_ttft_slowdown,
+                              mean_ttft)
 from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
@@ -525,11 +526,11 @@ def run_savings(series: WindowSeries, profile: Profile, objective: str = "gpu-ho
 
 @dataclass
 class HostCalibration:
-    """Replay only: auto corrects its profile from the TPOT the host shows (``policy.calibrate``).
-    ``base`` is the profile auto was given; ``host`` what the host really is (its table gives
-    each window's TPOT for the topology held, times lognormal noise of sigma ``noise``);
-    ``floor`` is the operator's ``--profile-slowdown``. ``slowdowns`` records, per window, the
-    slowdown auto decided on."""
+    """Replay only: auto corrects its profile from the TPOT and TTFT the host shows
+    (``policy.calibrate``). ``base`` is the profile auto was given; ``host`` what the host really
+    is (its table gives each window's TPOT p50 and mean TTFT for the topology held, each times
+    lognormal noise of sigma ``noise``); ``floor`` is the operator's ``--profile-slowdown``.
+    ``slowdowns`` and ``ttft_slowdowns`` record, per window, the slowdowns auto decided on."""
 
     base: Profile
     host: CapacityTable
@@ -538,6 +539,7 @@ class HostCalibration:
     noise: float = 0.0
     seed: int = 0
     slowdowns: list[float] | None = None
+    ttft_slowdowns: list[float] | None = None
 
 
 def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarray, scale: float,
@@ -564,11 +566,13 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     gbest = table.scorer.goodput_rps(table.fixed_best, r0) * W
     cal = calibration
     if cal is not None:
-        tables = {cal.floor: table}
-        eff, gfull, gbest = cal.floor, gbest, gbest.copy()
+        tables = {(cal.floor, cal.floor): table}
+        eff, gfull, gbest = (cal.floor, cal.floor), gbest, gbest.copy()
         observed: list[Observation] = []
+        observed_ttft: list[Observation] = []
         rng = np.random.default_rng(cal.seed)
-        cal.slowdowns = []
+        rng_ttft = np.random.default_rng([cal.seed, 1])  # the TPOT's draws as before TTFT was read
+        cal.slowdowns, cal.ttft_slowdowns = [], []
     day_n = max(1, int(round(DAY_S / W)))
     day_of = ((series.t_start_s - t0) // DAY_S).astype(int)
     lost = np.zeros(n)
@@ -577,21 +581,28 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             # window w - 1 as the host served it: the TPOT it showed, the slowdown it implies
             prev, end = topos[-1], float(series.t_start_s[w - 1]) + W
             if not math.isnan(rates[w - 1]) and (w < 2 or topos[-2] == prev):
-                tpot = cal.host.tpot_s(prev, float(rates[w - 1]))
+                rate = float(rates[w - 1])
+                tpot = cal.host.tpot_s(prev, rate)
+                ttft = mean_ttft(cal.host.profile.curve(prev), rate)
                 if cal.noise > 0:
                     tpot *= math.exp(cal.noise * float(rng.standard_normal()))
-                observed.append(Observation(end, float(rates[w - 1]) * W,
-                                            implied_slowdown(cal.base.curve(prev),
-                                                             float(rates[w - 1]), tpot)))
+                    ttft *= math.exp(cal.noise * float(rng_ttft.standard_normal()))
+                observed.append(Observation(end, rate * W,
+                                            implied_slowdown(cal.base.curve(prev), rate, tpot)))
+                observed_ttft.append(Observation(end, rate * W, implied_ttft_slowdown(
+                    cal.base.curve(prev), rate, ttft)))
             s_now = calibrated_slowdown(observed, end, cal.floor, cal.cfg)
-            if s_now != eff:
-                if s_now not in tables:
-                    tables[s_now] = CapacityTable(calibrated_profile(cal.base, s_now), table.slo,
-                                                  cfg.attainment_bar)
-                eff, table = s_now, tables[s_now]
+            key = (s_now, calibrated_slowdown(observed_ttft, end, s_now, cal.cfg,
+                                              cal.cfg.ttft_min_windows))
+            if key != eff:
+                if key not in tables:
+                    tables[key] = CapacityTable(calibrated_profile(cal.base, *key), table.slo,
+                                                cfg.attainment_bar)
+                eff, table = key, tables[key]
                 gfull = table.scorer.goodput_rps(table.fixed_best, r0) * W
             gbest[w - 1] = gfull[w - 1]
-            cal.slowdowns.append(eff)
+            cal.slowdowns.append(eff[0])
+            cal.ttft_slowdowns.append(eff[1])
         if w > 0:
             prev = topos[-1]
             lost[w - 1] = max(gbest[w - 1] - float(table.scorer.goodput_rps(prev, r0[w - 1])) * W, 0.0)

@@ -45,7 +45,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile,
-                              calibrated_slowdown, implied_slowdown)
+                              calibrated_slowdown, implied_slowdown, implied_ttft_slowdown)
 from policy.decide import (DAY_S, AutoPolicy, CandidateScore, Decision, PolicyConfig, PolicyState,
                            Scorer)
 from policy.forecast import Chooser
@@ -82,6 +82,8 @@ class Sample:
     waiting: int = 0
     tpot_s_sum: float = 0.0  # the finished requests' mean TPOTs, summed (s)
     tpot_requests: int = 0  # ... over this many requests
+    ttft_s_sum: float = 0.0  # the TTFTs of the requests that reached their first token, summed (s)
+    ttft_requests: int = 0  # ... over this many requests
 
 
 @dataclass(frozen=True)
@@ -185,22 +187,26 @@ class WindowAggregator:
         while k * self.W < s.at_s:
             lo, hi = max(start, k * self.W), min(s.at_s, (k + 1) * self.W)
             if hi > lo and k >= self.next_k:
-                a = self.acc.setdefault(k, [0.0, 0.0, 0.0, 0.0])
-                a[0] += s.requests * (hi - lo) / s.window_s
+                a = self.acc.setdefault(k, [0.0] * 6)
+                share = (hi - lo) / s.window_s
+                a[0] += s.requests * share
                 a[1] += hi - lo
-                a[2] += s.tpot_s_sum * (hi - lo) / s.window_s
-                a[3] += s.tpot_requests * (hi - lo) / s.window_s
+                a[2] += s.tpot_s_sum * share
+                a[3] += s.tpot_requests * share
+                a[4] += s.ttft_s_sum * share
+                a[5] += s.ttft_requests * share
             k += 1
         self.latest_at, self.interval = s.at_s, s.window_s
 
     def complete(self, now_s: float) -> list[tuple[float, float]]:
         """(window start, rate req/s) of every window finished by ``now_s``, oldest first."""
-        return [(t0, rate) for t0, rate, _, _ in self.complete_tpot(now_s)]
+        return [(t0, rate) for t0, rate, *_ in self.complete_latency(now_s)]
 
-    def complete_tpot(self, now_s: float) -> list[tuple[float, float, float, float]]:
+    def complete_latency(self, now_s: float) -> list[tuple[float, float, float, float, float, float]]:
         """As :meth:`complete`, with the window's mean TPOT of the requests that finished in it
-        (NaN: none) and how many they were (spread over windows like the requests)."""
-        out: list[tuple[float, float, float, float]] = []
+        (NaN: none) and how many they were (spread over windows like the requests), then its
+        mean TTFT of the requests that reached their first token in it and how many they were."""
+        out: list[tuple[float, float, float, float, float, float]] = []
         if self.next_k is None:
             return out
         stale = self.stale_s if self.stale_s is not None else max(3 * self.interval, self.W)
@@ -208,11 +214,12 @@ class WindowAggregator:
             end = (self.next_k + 1) * self.W
             if not (end <= self.latest_at or end + stale <= now_s):
                 return out
-            req, cov, tsum, tn = self.acc.pop(self.next_k, (0.0, 0.0, 0.0, 0.0))
+            req, cov, tsum, tn, fsum, fn = self.acc.pop(self.next_k, (0.0,) * 6)
             ok = cov >= self.min_coverage * self.W
             rate = req / cov if ok else math.nan
             tpot = tsum / tn if ok and tn > 0 else math.nan
-            out.append((self.next_k * self.W, rate, tpot, tn if ok else 0.0))
+            ttft = fsum / fn if ok and fn > 0 else math.nan
+            out.append((self.next_k * self.W, rate, tpot, tn if ok else 0.0, ttft, fn if ok else 0.0))
             self.next_k += 1
 
 
@@ -229,6 +236,8 @@ class Window:
     tpot_s: float = math.nan  # mean TPOT of the requests that finished in it (NaN: none)
     tpot_requests: float = 0.0  # ... how many
     implied: float = math.nan  # the slowdown that TPOT implies (policy.calibrate; NaN: unusable)
+    ttft_requests: float = 0.0  # requests that reached their first token in it
+    implied_ttft: float = math.nan  # the TTFT slowdown their mean TTFT implies (NaN: unusable)
 
 
 @dataclass(frozen=True)
@@ -648,6 +657,7 @@ class _Node:
     # one not released): remembered while every rank is active, as --cache-runners is for life
     keeps_parked: tuple[int, ...] = ()
     slowdown: float = 1.0  # calibrated from the node's observed TPOT (policy.calibrate)
+    ttft_slowdown: float = 1.0  # ... its TTFT side, from the observed TTFT
 
 
 class PolicyService:
@@ -814,17 +824,19 @@ class PolicyService:
             n.agg.add(s)
             n.observed.append(s)
             n.since_s = max(n.since_s or -math.inf, s.at_s)
-        for t0, rate, tpot, tn in n.agg.complete_tpot(now):
+        for t0, rate, tpot, tn, ttft, fn in n.agg.complete_latency(now):
             n.chooser.update(t0, rate)
             n.last_window_s = t0
             # the topology held then: the controller's observed one now (windows read back at
             # a restart are counted on the topology the node has when they are read)
             topo = n.view.observed
-            implied = math.nan  # calibration: a window right after a switch is not used
-            if (tn > 0 and topo in self._profile_topos and n.history
-                    and n.history[-1].topology == topo):
-                implied = implied_slowdown(self.profile.curve(topo), rate, tpot)
-            n.history.append(Window(t0, rate, topo, tpot, tn, implied))
+            implied = implied_ttft = math.nan  # calibration: not a window right after a switch
+            if topo in self._profile_topos and n.history and n.history[-1].topology == topo:
+                if tn > 0:
+                    implied = implied_slowdown(self.profile.curve(topo), rate, tpot)
+                if fn > 0:
+                    implied_ttft = implied_ttft_slowdown(self.profile.curve(topo), rate, ttft)
+            n.history.append(Window(t0, rate, topo, tpot, tn, implied, fn, implied_ttft))
 
     def _scorer(self, topos: tuple[Topology, ...]) -> Scorer:
         sc = self._scorers.get(topos)
@@ -850,12 +862,13 @@ class PolicyService:
         n.problem = ""
         return tuple(t for t in self.profile.topologies if t in cands)
 
-    def _table(self, topos: tuple[Topology, ...], slowdown: float = 1.0) -> CapacityTable | str:
-        """SLO capacities over these topologies (cached) on the profile taken as ``slowdown`` x
-        slower (calibrated), or why there are none."""
+    def _table(self, topos: tuple[Topology, ...], slowdown: tuple[float, float] = (1.0, 1.0)
+               ) -> CapacityTable | str:
+        """SLO capacities over these topologies (cached) on the profile taken as ``slowdown[0]``
+        x slower, its TTFT as ``slowdown[1]`` x slower (calibrated), or why there are none."""
         tb = self._tables.get((topos, slowdown))
         if tb is None:
-            prof = calibrated_profile(self.profile, slowdown)
+            prof = calibrated_profile(self.profile, *slowdown)
             sub = replace(prof, curves=tuple(c for c in prof.curves if c.topology in topos))
             try:
                 tb = CapacityTable(sub, self.slo, self.scale.attainment_bar)
@@ -864,24 +877,32 @@ class PolicyService:
             self._tables[(topos, slowdown)] = tb
         return tb
 
-    def _calibrate(self, n: _Node, now: float) -> float:
-        """The node's slowdown against the profile, from the TPOT its windows of the last span
-        showed (``policy.calibrate``; 1 when off or not yet observed). A window is used when
-        requests finished in it and it held the topology of the window before it (its implied
-        slowdown is computed once, as it is aggregated)."""
+    def _calibrate(self, n: _Node, now: float) -> tuple[float, float]:
+        """The node's slowdowns against the profile, from the TPOT and the TTFT its windows of
+        the last span showed (``policy.calibrate``; 1 when off or not yet observed; the TTFT's
+        is at least the TPOT's, and the TPOT's until enough TTFTs were seen). A window is used when requests finished (or
+        reached their first token) in it and it held the topology of the window before it (its
+        implied slowdowns are computed once, as it is aggregated)."""
         cfg, W = self.calibration, self.window_s
         if not cfg.enabled:
-            return 1.0
+            return 1.0, 1.0
         k = int(math.ceil(cfg.span_s / W)) + 1
-        obs = [Observation(b.t0 + W, b.tpot_requests, b.implied)
-               for b in itertools.islice(reversed(n.history), k) if math.isfinite(b.implied)]
+        recent = list(itertools.islice(reversed(n.history), k))
+        obs = [Observation(b.t0 + W, b.tpot_requests, b.implied) for b in recent
+               if math.isfinite(b.implied)]
+        obs_ttft = [Observation(b.t0 + W, b.ttft_requests, b.implied_ttft) for b in recent
+                    if math.isfinite(b.implied_ttft)]
         s = calibrated_slowdown(obs, now, 1.0, cfg)
-        if s != n.slowdown:
+        # the TTFT: at least as slow as the TPOT, from enough windows
+        t = calibrated_slowdown(obs_ttft, now, s, cfg, cfg.ttft_min_windows)
+        if (s, t) != (n.slowdown, n.ttft_slowdown):
             log.info("policy.calibrated", node=n.name, slowdown=s, was=n.slowdown,
+                     ttft_slowdown=t, ttft_was=n.ttft_slowdown,
                      profile=self.profile.name, windows=len(obs),
-                     requests=round(sum(o.requests for o in obs)))
-            n.slowdown = s
-        return s
+                     requests=round(sum(o.requests for o in obs)),
+                     ttft_requests=round(sum(o.requests for o in obs_ttft)))
+            n.slowdown, n.ttft_slowdown = s, t
+        return s, t
 
     @staticmethod
     def _host_gpus(n: _Node) -> int:
@@ -1001,7 +1022,7 @@ class PolicyService:
     def _capacity(self, n: _Node, t: Topology) -> float:
         """SLO capacity (req/s) of ``t`` on this node's candidates, per the profile."""
         topos = self._topologies(n)
-        table = self._table(topos, n.slowdown) if topos else "no topologies"
+        table = self._table(topos, (n.slowdown, n.ttft_slowdown)) if topos else "no topologies"
         if not isinstance(table, str) and t in table.slo_cap:
             return float(table.slo_cap[t])
         return float(self.profile.capacity(t)) if t in self.profile.topologies else 0.0

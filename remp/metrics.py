@@ -152,6 +152,10 @@ class PolicyMetrics:
                               "configured profile the node's last decision took its host, "
                               "calibrated from its observed TPOT (1: as configured)", ["node"],
                               registry=registry)
+        self.ttft_slowdown = Gauge("remp_policy_profile_ttft_slowdown", "How many times slower "
+                                   "than the configured profile's TTFT the node's last decision "
+                                   "took its host's, calibrated from its observed TTFT (1: as "
+                                   "configured)", ["node"], registry=registry)
         self.decisions = Counter("remp_policy_decisions", "Decisions made, by mode and whether "
                                  "they called for a switch", ["mode", "switch"],
                                  registry=registry)
@@ -162,12 +166,13 @@ class PolicyMetrics:
     def decided(self, n, rec, window_s: float, now_s: float) -> None:
         """Hook: the policy made a decision ``rec`` for node ``n`` (``PolicyService._tick_node``;
         ``n`` has ``name``, ``observed`` samples, the forecaster ``chooser`` and the calibrated
-        profile ``slowdown``)."""
+        profile's ``slowdown`` and ``ttft_slowdown``)."""
         d = rec.decision
         self.decisions.labels(rec.mode, "yes" if d.switch else "no").inc()
         if math.isfinite(d.forecast_rps):
             self.forecast.labels(n.name).set(d.forecast_rps)
         self.slowdown.labels(n.name).set(n.slowdown)
+        self.ttft_slowdown.labels(n.name).set(n.ttft_slowdown)
         rate = observed_rate(n.observed, window_s, now_s)
         if rate is not None:
             self.actual.labels(n.name).set(rate)

@@ -1,11 +1,14 @@
-"""The policy calibrates its profile from a real engine's TPOT, end to end: Redis + controller + a
-node agent on vLLM CPU (TP2PP1) + ``remp policy serve --objective gpu-hours`` (subprocess).
+"""The policy calibrates its profile from a real engine's TPOT and TTFT, end to end: Redis +
+controller + a node agent on vLLM CPU (TP2PP1) + ``remp policy serve --objective gpu-hours``
+(subprocess).
 
 The profile is the one ``remp policy profile`` measured on this kind of machine
 (``policy/profiles/tiny-cpu-2core.json``) with its TPOT divided by 3 — a profile that claims the
-engine decodes 3x faster than it does. Under Poisson load the agent's heartbeats carry vLLM's
-per-request TPOT; the policy must find the host slower than that profile and decide on it taken
-as slower (``<profile>-calibrated<s>``), with ``s`` what the heartbeats themselves say."""
+engine decodes 3x faster than it does — and its TTFT a flat 5 ms at every load (p50 = p90, so
+its mean is 5 ms too), far below what the engine shows. Under Poisson load the agent's heartbeats
+carry vLLM's per-request TPOT and TTFT; the policy must find the host slower than that profile
+on both and decide on it taken as slower (``<profile>-calibrated<s>-ttft<t>``), with ``s`` and
+``t`` what the heartbeats themselves say."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ pytestmark = pytest.mark.e2e
 
 NODE = "cal-e2e"
 SPEEDUP = 3.0
+CLAIMED_TTFT_MS = 5.0
+NAME = re.compile(r"tiny-cpu-2core-fast-calibrated([0-9.]+)(?:-ttft([0-9.]+))?")
 
 
 def fast_profile_doc() -> dict:
@@ -36,6 +41,7 @@ def fast_profile_doc() -> dict:
         for p in t["points"]:
             p["tpot_p50_ms"] /= SPEEDUP
             p["tpot_p90_ms"] /= SPEEDUP
+            p["ttft_p50_ms"] = p["ttft_p90_ms"] = CLAIMED_TTFT_MS
     return doc
 
 
@@ -67,10 +73,11 @@ async def test_the_policy_finds_a_real_engine_slower_than_its_profile(stack, art
         # 3 req/s: 30 finished requests a 10-s window, so the policy may calibrate after ~4
         load = asyncio.create_task(ramp(agent.http, stop, steps=((3.0, 1e9),)))
 
-        async def calibrated():
+        async def calibrated():  # both sides (the TTFT alone may be calibrated first)
             r = await pstub.GetRecommendation(
                 policy_pb2.GetRecommendationRequest(node=NODE), timeout=5)
-            return r if "-calibrated" in r.profile else None
+            m = NAME.fullmatch(r.profile)
+            return r if m and float(m.group(1)) > 1.0 else None
         try:
             rec = await until(calibrated, 150, "the policy never calibrated its profile")
         finally:
@@ -78,7 +85,9 @@ async def test_the_policy_finds_a_real_engine_slower_than_its_profile(stack, art
             await load
         tr = await cstub.GetTraffic(controller_pb2.GetTrafficRequest(node=NODE), timeout=5)
 
-    s = float(re.fullmatch(r"tiny-cpu-2core-fast-calibrated([0-9.]+)", rec.profile).group(1))
+    m = NAME.fullmatch(rec.profile)
+    s = float(m.group(1))
+    t = float(m.group(2)) if m.group(2) else s  # no suffix: the TTFT's slowdown is the TPOT's
     # what the heartbeats say, independently of the policy's windows: the mean TPOT of every
     # finished request against the profile's (flat in load) TPOT
     n = sum(t.tpot_requests for t in tr.samples)
@@ -86,9 +95,17 @@ async def test_the_policy_finds_a_real_engine_slower_than_its_profile(stack, art
     doc = json.loads(prof_path.read_text())
     claimed_ms = float(np.mean([p["tpot_p50_ms"] for p in doc["topologies"]["TP2PP1"]["points"]]))
     ratio = observed_ms / claimed_ms
+    # the TTFT: the profile's is flat (its mean 5 ms at any load), so the ratio is the slowdown
+    nf = sum(t.ttft_requests for t in tr.samples)
+    ttft_ms = sum(t.ttft_seconds_sum for t in tr.samples) / nf * 1e3
+    ttft_ratio = ttft_ms / CLAIMED_TTFT_MS
     (artifacts_dir / "policy-calibration-e2e.json").write_text(json.dumps(dict(
         calibrated=s, observed_tpot_ms=observed_ms, profile_tpot_ms=claimed_ms, requests=n,
-        measured_profile_tpot_ms=claimed_ms * SPEEDUP)))
+        measured_profile_tpot_ms=claimed_ms * SPEEDUP, calibrated_ttft=t,
+        observed_ttft_ms=ttft_ms, profile_ttft_ms=CLAIMED_TTFT_MS, ttft_requests=nf,
+        profile=rec.profile)))
     assert ratio > 1.5, (observed_ms, claimed_ms)  # the profile really is optimistic here
     assert s == pytest.approx(min(ratio, 4.0), rel=0.25), (s, ratio, observed_ms)
     assert rec.objective == "gpu-hours" and s >= 1.5
+    assert ttft_ratio > 1.5, (ttft_ms, CLAIMED_TTFT_MS)
+    assert t == pytest.approx(min(ttft_ratio, 4.0), rel=0.3), (t, ttft_ratio, ttft_ms)

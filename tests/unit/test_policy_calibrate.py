@@ -1,5 +1,5 @@
-"""The profile corrected from the host's observed TPOT (policy/calibrate.py) and its replay
-(policy.savings.HostCalibration; bench/policy_model_error.py's calibrated rows)."""
+"""The profile corrected from the host's observed TPOT and TTFT (policy/calibrate.py) and its
+replay (policy.savings.HostCalibration; bench/policy_model_error.py's calibrated rows)."""
 
 import math
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from bench.policy_model_error import replay
-from policy.calibrate import CalibrationConfig, Observation, calibrated_slowdown, implied_slowdown
+from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile, calibrated_slowdown,
+                              implied_slowdown, implied_ttft_slowdown, mean_ttft)
 from policy.profiles import load_profile
 from policy.savings import HostCalibration, auto_topologies, capacity_table
 from policy.scale import ScaleConfig
@@ -65,6 +66,60 @@ def test_the_calibrated_slowdown_is_a_request_weighted_median_never_below_the_fl
         CalibrationConfig(step=0)
 
 
+@pytest.mark.parametrize("t", [0.8, 1.0, 1.15, 1.5])
+def test_the_implied_ttft_slowdown_inverts_a_profile_calibrated_on_its_ttft(t):
+    """A host whose TTFT is the profile's taken as t x slower (and its TPOT as the profile's):
+    its mean TTFT at a load implies t; its TPOT still implies 1."""
+    p = load_profile("h100x8-llama2-70b")
+    host = calibrated_profile(p, 1.0, t)
+    for c in p.curves:
+        h = host.curve(c.topology)
+        assert h.capacity_rps == c.capacity_rps
+        for share in (0.05, 0.4, 0.7):
+            rate = share * c.capacity_rps / t  # within the curve at t x the load
+            # (rel 1 %: the host's curve is resampled at its own load points)
+            assert implied_ttft_slowdown(c, rate, mean_ttft(h, rate)) == pytest.approx(t, rel=0.01)
+            assert implied_slowdown(c, rate, h.at(rate)[2]) == pytest.approx(1.0, rel=2e-3)
+            assert h.at(rate)[2:] == pytest.approx(c.at(rate)[2:], rel=1e-9)  # TPOT as is
+
+
+def test_the_mean_ttft_sits_above_the_median_by_the_tail_and_a_calibrated_profile_says_what_it_is():
+    p = load_profile("h100x8-llama2-7b")
+    c = p.curves[0]
+    t50, t90 = c.at(0.0)[:2]
+    assert mean_ttft(c, 0.0) >= t50
+    if t90 > t50:
+        assert mean_ttft(c, 0.0) > t50
+    for rate in (0.0, 0.5 * c.capacity_rps):
+        assert mean_ttft(c, rate, 1.2) == pytest.approx(1.2 * mean_ttft(c, 1.2 * rate), rel=1e-9)
+    assert implied_ttft_slowdown(c, 1.0, math.nan) != implied_ttft_slowdown(c, 1.0, math.nan)
+    assert math.isnan(implied_ttft_slowdown(c, math.nan, 0.1))
+    assert implied_ttft_slowdown(c, 1.0, 1e-9) == 0.25 and implied_ttft_slowdown(c, 1.0, 1e3) == 4.0
+    # one factor: the profile taken as s x slower, named for it; two: the TTFT named too
+    assert calibrated_profile(p, 1.0) is p and calibrated_profile(p, 1.0, 1.0) is p
+    one = calibrated_profile(p, 1.25)
+    assert one.name == f"{p.name}-calibrated1.25" and one.curves == p.slowed(1.25).curves
+    assert calibrated_profile(p, 1.25, 1.25).curves == one.curves
+    two = calibrated_profile(p, 1.25, 1.5)
+    assert two.name == f"{p.name}-calibrated1.25-ttft1.5"
+    assert two.params["calibrated"] == 1.25 and two.params["calibrated_ttft"] == 1.5
+    for a, b, base in zip(two.curves, one.curves, p.curves):
+        assert a.capacity_rps == b.capacity_rps and len(a.load_rps) >= len(b.load_rps)
+        for rate in a.load_rps:  # the TPOT of the one-factor profile, the TTFT slower
+            assert a.at(rate)[2:] == pytest.approx(b.at(rate)[2:], rel=1e-9)
+            assert a.at(rate)[0] > b.at(rate)[0]
+        # past the base curve's last load (1.5 / 1.25 x its loads): extended, never falling
+        assert a.ttft_p50_s[-1] >= 1.5 * base.ttft_p50_s[-1]
+    # the TTFT side's floor is the TPOT's slowdown, and it needs min_windows windows
+    cfg = CalibrationConfig(min_requests=1, min_total=100)
+    assert cfg.ttft_min_windows == 2
+    assert calibrated_slowdown([_obs(1, 2.0, n=200)], 1, 1.3, cfg, min_windows=2) == 1.3
+    assert calibrated_slowdown([_obs(1, 2.0, n=200)] * 2, 1, 1.3, cfg, min_windows=2) == 2.0
+    assert calibrated_slowdown([_obs(1, 1.1, n=200)] * 2, 1, 1.3, cfg, min_windows=2) == 1.3
+    with pytest.raises(ValueError):
+        CalibrationConfig(ttft_min_windows=0)
+
+
 def test_calibration_changes_nothing_when_the_profile_is_right():
     prof, cfg, series = load_profile("h200x8-llama2-7b"), ScaleConfig(), _diurnal()
     table = capacity_table(prof, prof.default_slo, cfg.attainment_bar)
@@ -73,7 +128,7 @@ def test_calibration_changes_nothing_when_the_profile_is_right():
     plain = auto_topologies(series, table, rates, scale, cfg, table.fixed_best)[0]
     cal = HostCalibration(prof, table)
     calibrated = auto_topologies(series, table, rates, scale, cfg, table.fixed_best, cal)[0]
-    assert calibrated == plain and set(cal.slowdowns) == {1.0}
+    assert calibrated == plain and set(cal.slowdowns) == set(cal.ttft_slowdowns) == {1.0}
 
 
 def test_calibration_learns_a_slower_host_and_keeps_the_day():
@@ -86,6 +141,16 @@ def test_calibration_learns_a_slower_host_and_keeps_the_day():
     assert noisy["auto_worst_day"] >= 0.99
     # it holds more GPUs than the blind policy: the host needs them
     assert learnt["auto_gpu_hours_fraction"] > blind["auto_gpu_hours_fraction"]
+
+
+def test_calibration_learns_a_host_whose_ttft_alone_is_slower_and_keeps_the_day():
+    """The model right about decode, 25 % optimistic about TTFT (at every load): the TPOT says
+    nothing, the TTFT does."""
+    prof, cfg = load_profile("h100x8-llama2-70b"), ScaleConfig()
+    blind = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, t=1.25)
+    learnt = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, noise=0.0, t=1.25)
+    assert learnt["calibrated_max"] == 1.0 and learnt["calibrated_ttft_max"] > 1.1
+    assert learnt["auto_worst_day"] >= 0.99 > blind["auto_worst_day"]
 
 
 
@@ -112,13 +177,19 @@ def test_the_policy_reads_the_heartbeats_tpot_and_drops_what_is_not_a_number():
     from policy.controller_client import sample_of, sample_to_proto
     from policy.service import Sample
 
-    s = Sample(100.0, 2.0, 4, 10, 20, 1, 0, tpot_s_sum=0.2, tpot_requests=4)
+    s = Sample(100.0, 2.0, 4, 10, 20, 1, 0, tpot_s_sum=0.2, tpot_requests=4, ttft_s_sum=1.5,
+               ttft_requests=3)
     assert sample_of(sample_to_proto(s)) == s
     for bad in (math.nan, math.inf, -1.0):
         p = sample_to_proto(s)
         p.tpot_seconds_sum = bad
         got = sample_of(p)
         assert (got.tpot_s_sum, got.tpot_requests, got.requests) == (0.0, 0, 4)
+        assert (got.ttft_s_sum, got.ttft_requests) == (1.5, 3)
+        p = sample_to_proto(s)
+        p.ttft_seconds_sum = bad
+        got = sample_of(p)
+        assert (got.ttft_s_sum, got.ttft_requests, got.tpot_requests) == (0.0, 0, 4)
 
 
 def test_the_controller_keeps_a_heartbeats_garbage_tpot_as_it_came_and_the_policy_drops_it():
@@ -138,3 +209,4 @@ def test_the_controller_keeps_a_heartbeats_garbage_tpot_as_it_came_and_the_polic
                 else back.tpot_seconds_sum == bad)
         got = sample_of(to_proto(back))
         assert (got.requests, got.tpot_s_sum, got.tpot_requests) == (2, 0.0, 0)
+        assert (got.ttft_s_sum, got.ttft_requests) == (0.0, 0)

@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from policy.calibrate import CalibrationConfig
+from policy.calibrate import CalibrationConfig, calibrated_profile, mean_ttft
 from policy.config import PolicySettings
 from policy.decide import DAY_S, PolicyConfig
 from policy.profiles import Profile
@@ -52,13 +52,16 @@ class MemoryController:
         self.samples[name] = []
 
     def push(self, name: str, rate: float, t_from: float, t_to: float,
-             tpot_s: float = 0.0) -> None:
-        """One-second heartbeat samples at ``rate`` req/s over (t_from, t_to]; with ``tpot_s``,
-        every request finished in a sample had that mean TPOT."""
+             tpot_s: float = 0.0, ttft_s: float = 0.0) -> None:
+        """One-second heartbeat samples at ``rate`` req/s over (t_from, t_to]; with ``tpot_s``
+        (``ttft_s``), every request finished (at its first token) in a sample had that mean
+        TPOT (TTFT)."""
         for i in range(int(t_from) + 1, int(t_to) + 1):
             n = math.floor(rate * i + 1e-9) - math.floor(rate * (i - 1) + 1e-9)
             self.samples[name].append(Sample(float(i), 1.0, n, tpot_s_sum=n * tpot_s,
-                                             tpot_requests=n if tpot_s > 0 else 0))
+                                             tpot_requests=n if tpot_s > 0 else 0,
+                                             ttft_s_sum=n * ttft_s,
+                                             ttft_requests=n if ttft_s > 0 else 0))
 
     async def list_nodes(self) -> list[NodeView]:
         return list(self.views.values())
@@ -224,9 +227,11 @@ async def test_parked_ranks_that_keep_their_memory_save_nothing_and_hold_the_nex
     assert again.decision.reason == "scale-down" and again.decision.recommended == TP1PP1
 
 
-async def _calibrated_run(rate: float, host_slowdown: float, enabled: bool = True):
+async def _calibrated_run(rate: float, host_slowdown: float, enabled: bool = True,
+                          host_ttft_slowdown: float | None = None):
     """A 2-GPU node at ``rate`` whose requests show the TPOT of the profile taken as
-    ``host_slowdown`` x slower: the decisions of ticks 1020 ... 1100 s and the service."""
+    ``host_slowdown`` x slower (and, with ``host_ttft_slowdown``, the mean TTFT of its TTFT
+    taken as that much slower): the decisions of ticks 1020 ... 1100 s and the service."""
     ctl = MemoryController()
     ctl.add("n1", TP2PP1)
     svc = PolicyService(scale_profile(), ctl, config=PolicyConfig(horizon_s=100.0), window_s=W,
@@ -234,7 +239,11 @@ async def _calibrated_run(rate: float, host_slowdown: float, enabled: bool = Tru
                         calibration=CalibrationConfig(enabled=enabled, min_requests=5,
                                                       min_total=30))
     tpot = scale_profile().slowed(host_slowdown).curve(TP2PP1).at(rate)[2]
-    ctl.push("n1", rate, 1000, 1100, tpot)
+    ttft = 0.0
+    if host_ttft_slowdown is not None:
+        host = calibrated_profile(scale_profile(), host_slowdown, host_ttft_slowdown)
+        ttft = mean_ttft(host.curve(TP2PP1), rate)
+    ctl.push("n1", rate, 1000, 1100, tpot, ttft)
     return [(await svc.tick(float(t)))[0] for t in range(1020, 1101, 10)], svc
 
 
@@ -272,21 +281,49 @@ async def test_a_host_slower_than_its_profile_is_calibrated_from_its_tpot(caplog
         pytest.approx(1.6)
 
 
-def test_windows_carry_the_tpot_of_the_requests_that_finished_in_them():
+async def test_a_host_whose_ttft_alone_is_slower_than_its_profile_is_calibrated_from_its_ttft():
+    """TPOT as the profile says, TTFT 1.6x the profile's: the policy decides on the profile
+    with its TTFT taken as 1.6x slower (its TPOT as is) and names it so; with heartbeats that
+    carry no TTFT, or a TTFT faster than the TPOT says, the TTFT follows the TPOT's slowdown."""
+    seen, svc = await _calibrated_run(1.0, 1.0, host_ttft_slowdown=1.6)
+    n = svc.nodes["n1"]
+    assert (n.slowdown, n.ttft_slowdown) == (1.0, pytest.approx(1.6))
+    assert seen[0].impact.profile == "scale-test"
+    assert seen[-1].impact.profile == "scale-test-calibrated1-ttft1.6"
+    assert seen[-1].decision.scale.profile == "scale-test-calibrated1-ttft1.6"
+    from prometheus_client import REGISTRY
+    assert REGISTRY.get_sample_value("remp_policy_profile_ttft_slowdown", {"node": "n1"}) == \
+        pytest.approx(1.6)
+    both, svc2 = await _calibrated_run(1.0, 1.6, host_ttft_slowdown=1.6)
+    assert (svc2.nodes["n1"].slowdown, svc2.nodes["n1"].ttft_slowdown) == \
+        (pytest.approx(1.6), pytest.approx(1.6))
+    assert both[-1].impact.profile == "scale-test-calibrated1.6"
+    only_tpot, svc3 = await _calibrated_run(1.0, 1.6)
+    assert svc3.nodes["n1"].ttft_slowdown == pytest.approx(1.6)
+    # a TTFT that says faster than the TPOT does: the TTFT is taken as slow as the TPOT says
+    fast_ttft, svc4 = await _calibrated_run(1.0, 1.6, host_ttft_slowdown=1.0)
+    assert svc4.nodes["n1"].ttft_slowdown == pytest.approx(1.6)
+    assert fast_ttft[-1].impact.profile == "scale-test-calibrated1.6"
+
+
+def test_windows_carry_the_tpot_and_ttft_of_the_requests_that_finished_in_them():
     from policy.service import WindowAggregator
     a = WindowAggregator(10.0)
-    for i in range(1, 21):  # 1-s samples, 2 requests each, TPOT 20 ms then 40 ms
-        tpot = 0.02 if i <= 10 else 0.04
-        a.add(Sample(float(i), 1.0, 2, tpot_s_sum=2 * tpot, tpot_requests=2))
+    for i in range(1, 21):  # 1-s samples, 2 requests each, TPOT 20 ms then 40 ms; TTFT 0.3 / 0.5 s
+        tpot, ttft = (0.02, 0.3) if i <= 10 else (0.04, 0.5)
+        a.add(Sample(float(i), 1.0, 2, tpot_s_sum=2 * tpot, tpot_requests=2, ttft_s_sum=ttft,
+                     ttft_requests=1))
     a.add(Sample(21.0, 1.0, 0))
-    (w0, r0, t0, n0), (w1, r1, t1, n1) = a.complete_tpot(21.0)
-    assert (w0, r0, n0, w1, n1) == (0.0, 2.0, 20.0, 10.0, 20.0)
+    (w0, r0, t0, n0, f0, m0), (w1, r1, t1, n1, f1, m1) = a.complete_latency(21.0)
+    assert (w0, r0, n0, m0, w1, n1, m1) == (0.0, 2.0, 20.0, 10.0, 10.0, 20.0, 10.0)
     assert t0 == pytest.approx(0.02) and t1 == pytest.approx(0.04)
+    assert f0 == pytest.approx(0.3) and f1 == pytest.approx(0.5)
     b = WindowAggregator(10.0)
     b.add(Sample(10.0, 10.0, 5))
     b.add(Sample(20.0, 10.0, 5))
-    (_, rate, tpot, n), _ = b.complete_tpot(20.0)  # no TPOT reported: NaN, none
-    assert rate == 0.5 and math.isnan(tpot) and n == 0
+    (_, rate, tpot, n, ttft, m), _ = b.complete_latency(20.0)  # none reported: NaN, none
+    assert rate == 0.5 and math.isnan(tpot) and n == 0 and math.isnan(ttft) and m == 0
+    assert b.complete(20.0) == []  # emitted once
 
 
 def test_node_view_reads_which_parked_ranks_the_agent_reported_released():
