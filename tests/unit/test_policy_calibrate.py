@@ -210,3 +210,21 @@ def test_the_controller_keeps_a_heartbeats_garbage_tpot_as_it_came_and_the_polic
         got = sample_of(to_proto(back))
         assert (got.requests, got.tpot_s_sum, got.tpot_requests) == (2, 0.0, 0)
         assert (got.ttft_s_sum, got.ttft_requests) == (0.0, 0)
+
+
+def test_on_a_host_exactly_as_modelled_the_ttft_calibration_reads_about_one():
+    """bench/policy_ttft_mean_check.py's claim, on one profile: the model's own mean TTFT (its
+    prompt-length distribution, half a round, the M/M/1 wait) implies a TTFT slowdown near 1
+    against the lognormal through the profile's p50/p90 (the approximation the policy uses)."""
+    from bench.policy_ttft_mean_check import model_mean_ttft_s
+    from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source
+
+    prof = load_profile("h100x8-llama2-70b")
+    pm = PerfModel(MODELS["llama2-70b"], GPUS["h100"], attention_source(GPUS["h100"], None))
+    got = []
+    for c in prof.curves:
+        rate = 0.5 * pm.capacity_rps(c.topology)
+        true = model_mean_ttft_s(pm, c.topology, rate)
+        assert true is not None and true > c.at(rate)[0]  # the mean sits above the median
+        got.append(implied_ttft_slowdown(c, rate, true))
+    assert 0.95 < min(got) and max(got) < 1.05, got
