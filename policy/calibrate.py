@@ -17,7 +17,8 @@ too; the TTFT side is calibrated the same way (:func:`implied_ttft_slowdown`: th
 which the profile's *mean* TTFT at ``s · rate`` — a lognormal through its p50 and p90,
 :func:`mean_ttft` — times ``s`` equals the observed mean), with ``s`` as its floor: the TTFT is
 taken as at least as much slower as the TPOT says (the one-factor assumption, all there was
-before TTFT was read), more when the TTFT says so. The policy then decides on
+before TTFT was read), more when the TTFT says so, from at least ``ttft_min_windows`` windows.
+The policy then decides on
 :func:`calibrated_profile` ``(profile, s, s_ttft)``: every curve taken as ``s`` x slower, its
 TTFT as ``s_ttft`` x slower (each with its own load scaling).
 
@@ -51,8 +52,8 @@ class CalibrationConfig:
     step: float = 0.025  # the calibrated slowdown is rounded to this
     ceiling: float = HI
     # the TTFT side needs this many windows in the span (a TTFT factor other than the TPOT's
-    # reorders the topologies, so one noisy window must not set it: with 1-h windows it is
-    # never set and the TTFT follows the TPOT)
+    # reorders the topologies, so one noisy window must not set it; the span's bounds are
+    # inclusive, so 1-h windows give it 2 from the second hour on)
     ttft_min_windows: int = 2
 
     def __post_init__(self) -> None:
