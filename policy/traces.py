@@ -5,7 +5,12 @@ Canonical form: ``t_start_s,requests[,input_tokens,output_tokens]``, one row per
 Readers for every format in ``../shared/traces`` (see its PROVENANCE.md):
 
 - ``azure2023``: Azure LLM inference 2023 (Splitwise), one row per request,
-  ``TIMESTAMP,ContextTokens,GeneratedTokens``; aggregated into windows (default 60 s).
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``; aggregated into windows (default 60 s). The 2024
+  week traces (DynamoLLM) have the same columns; ISO-8601 stamps with a ``T``, any number of
+  fractional digits and a UTC offset are read too (taken to UTC).
+- ``burstgpt``: BurstGPT (one row per request: ``Timestamp`` in s from the trace's start,
+  ``Model``, ``Request tokens``, ``Response tokens``, ``Total tokens``, ``Log Type``; failed
+  requests, 0 response tokens, are arrivals too). Time of day is unknown (t=0 midnight).
 - ``mooncake``: Mooncake FAST'25 JSONL, ``timestamp`` in ms from trace start, ``input_length``,
   ``output_length``; aggregated into windows (default 60 s). Time of day is unknown (t=0 midnight).
 - ``azure2024-hourly``: ``day,hour,date,conversation`` hourly counts (3600 s windows).
@@ -13,6 +18,9 @@ Readers for every format in ``../shared/traces`` (see its PROVENANCE.md):
   input_tokens_sum_est,output_tokens_sum_est,token_coverage,active_clients``; windows with no
   active client are collection gaps and are marked missing, not zero.
 - ``canonical``: the canonical CSV above.
+
+Per-request formats are aggregated into 60-s windows, or 10-min windows when the trace spans
+more than two days (the replay decides once per window; ``window_s`` overrides).
 
 Coarser windows: ``WindowSeries.rebin(window_s)`` (a multiple of the native window).
 """
@@ -27,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-FORMATS = ("auto", "canonical", "azure2023", "mooncake", "azure2024-hourly", "servegen")
+FORMATS = ("auto", "canonical", "azure2023", "mooncake", "azure2024-hourly", "servegen", "burstgpt")
+LONG_SPAN_S = 2 * 86400.0  # per-request traces longer than this default to LONG_WINDOW_S windows
+LONG_WINDOW_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,8 @@ def detect_format(path: str | Path) -> str:
         return "azure2024-hourly"
     if "requests_est" in cols and "window_start_s" in cols:
         return "servegen"
+    if "Timestamp" in cols and "Request tokens" in cols:
+        return "burstgpt"
     raise ValueError(f"{path}: unknown trace format (header {cols[:6]}); pass --format ({', '.join(FORMATS[1:])})")
 
 
@@ -179,7 +191,7 @@ def write_canonical(series: WindowSeries, path: str | Path) -> None:
             w.writerow(row)
 
 
-def read_azure2023(path: str | Path, window_s: float = 60.0) -> WindowSeries:
+def read_azure2023(path: str | Path, window_s: float | None = None) -> WindowSeries:
     path = Path(path)
     stamps, tin, tout = [], [], []
     with path.open(newline="") as f:
@@ -190,19 +202,49 @@ def read_azure2023(path: str | Path, window_s: float = 60.0) -> WindowSeries:
     if not stamps:
         raise ValueError(f"{path}: no requests")
 
-    def parse(s: str) -> dt.datetime:
-        day, _, frac = s.strip().partition(".")
-        base = dt.datetime.strptime(day, "%Y-%m-%d %H:%M:%S")
-        return base + dt.timedelta(microseconds=int((frac + "000000")[:6]) if frac else 0)
-
-    ts = [parse(s) for s in stamps]
+    ts = [_parse_stamp(s, path) for s in stamps]
     midnight = dt.datetime.combine(min(ts).date(), dt.time())
     secs = np.array([(x - midnight).total_seconds() for x in ts])
-    return aggregate(path.stem, secs, window_s, np.array(tin), np.array(tout),
-                     day0_weekday=midnight.weekday())
+    return aggregate(path.stem, secs, window_s or _default_window(secs), np.array(tin),
+                     np.array(tout), day0_weekday=midnight.weekday())
 
 
-def read_mooncake(path: str | Path, window_s: float = 60.0) -> WindowSeries:
+def _parse_stamp(s: str, path: Path) -> dt.datetime:
+    """A wall-clock stamp as naive UTC (naive stays as written): ``2023-11-16 18:17:03.9799600``,
+    ``2024-05-10T00:00:01+00:00``, ``...Z``; any number of fractional digits."""
+    text = s.strip()
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{path}: timestamp {s[:40]!r} is not ISO 8601") from None
+    return t.astimezone(dt.timezone.utc).replace(tzinfo=None) if t.tzinfo else t
+
+
+def read_burstgpt(path: str | Path, window_s: float | None = None) -> WindowSeries:
+    path = Path(path)
+    t, tin, tout = [], [], []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                t.append(float(row["Timestamp"]))
+                tin.append(float(row.get("Request tokens") or 0))
+                tout.append(float(row.get("Response tokens") or 0))
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: a row that is not BurstGPT's ({str(row)[:80]})") from None
+    if not t:
+        raise ValueError(f"{path}: no requests")
+    times = np.array(t)
+    return aggregate(path.stem, times, window_s or _default_window(times), np.array(tin),
+                     np.array(tout), origin_s=0.0)
+
+
+def _default_window(times_s: np.ndarray) -> float:
+    return LONG_WINDOW_S if float(np.ptp(times_s)) > LONG_SPAN_S else 60.0
+
+
+def read_mooncake(path: str | Path, window_s: float | None = None) -> WindowSeries:
     path = Path(path)
     t, tin, tout = [], [], []
     with path.open() as f:
@@ -212,7 +254,11 @@ def read_mooncake(path: str | Path, window_s: float = 60.0) -> WindowSeries:
                 t.append(float(d["timestamp"]) / 1e3)
                 tin.append(float(d.get("input_length", 0)))
                 tout.append(float(d.get("output_length", 0)))
-    return aggregate(path.stem, np.array(t), window_s, np.array(tin), np.array(tout), origin_s=0.0)
+    if not t:
+        raise ValueError(f"{path}: no requests")
+    times = np.array(t)
+    return aggregate(path.stem, times, window_s or _default_window(times), np.array(tin),
+                     np.array(tout), origin_s=0.0)
 
 
 def read_azure2024_hourly(path: str | Path) -> WindowSeries:
@@ -254,9 +300,11 @@ def read_trace(path: str | Path, fmt: str = "auto", window_s: float | None = Non
         raise ValueError(f"no trace file {path}")
     fmt = detect_format(path) if fmt == "auto" else fmt
     if fmt == "azure2023":
-        return read_azure2023(path, window_s or 60.0)
+        return read_azure2023(path, window_s)
     if fmt == "mooncake":
-        return read_mooncake(path, window_s or 60.0)
+        return read_mooncake(path, window_s)
+    if fmt == "burstgpt":
+        return read_burstgpt(path, window_s)
     readers = {"canonical": read_canonical, "azure2024-hourly": read_azure2024_hourly,
                "servegen": read_servegen}
     if fmt not in readers:

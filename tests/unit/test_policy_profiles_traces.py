@@ -99,3 +99,41 @@ def test_shared_trace_readers(rel, fmt, window):
         assert s.missing.sum() == 84  # collection gaps are missing, not zero load
     if fmt == "azure2024-hourly":
         assert s.requests.sum() == 24_732_434
+
+
+def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
+    """Formats a held-out trace may come in: BurstGPT's per-request CSV (seconds from its start;
+    a failed request, 0 response tokens, is an arrival too) and Azure's per-request CSV with ISO
+    stamps (T, any fraction, a UTC offset: taken to UTC). A trace longer than two days defaults
+    to 10-min windows; a row that is not the format's is a clear error."""
+    from policy.traces import detect_format
+
+    b = tmp_path / "BurstGPT_1.csv"
+    rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    rows += [f"{t},ChatGPT,{100 + t},{0 if t == 5 else 20},{120 + t},Conversation log"
+             for t in (1, 5, 30, 61, 62, 130)]
+    b.write_text("\n".join(rows) + "\n")
+    assert detect_format(b) == "burstgpt"
+    s = read_trace(b)
+    assert s.window_s == 60.0 and list(s.requests) == [3, 2]  # 120-130 s: the partial window
+    assert list(s.output_tokens) == [40, 40] and s.t_start_s[0] == 0.0
+    long = tmp_path / "long.csv"
+    long.write_text(rows[0] + "\n" + "\n".join(f"{t},GPT-4,10,10,20,API log"
+                                               for t in range(0, 3 * 86400, 97)) + "\n")
+    assert read_trace(long).window_s == 600.0 and read_trace(long, window_s=60.0).window_s == 60.0
+    bad = tmp_path / "bad.csv"
+    bad.write_text(rows[0] + "\nsoon,ChatGPT,1,1,2,x\n")
+    with pytest.raises(ValueError, match="not BurstGPT"):
+        read_trace(bad)
+
+    a = tmp_path / "AzureLLMInferenceTrace_code_1week.csv"
+    a.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2024-05-10T00:00:01.5+02:00,10,2\n2024-05-09 22:00:30Z,11,3\n"
+                 "2024-05-09 22:01:10.1234567,12,4\n2024-05-09 22:02:30,1,1\n")
+    s = read_trace(a)
+    assert s.window_s == 60.0 and list(s.requests) == [2, 1]
+    assert s.t_start_s[0] == 22 * 3600 and s.day0_weekday == 3  # UTC: 2024-05-09, a Thursday
+    bad = tmp_path / "bad_azure.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n")
+    with pytest.raises(ValueError, match="not ISO 8601"):
+        read_trace(bad)
