@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+from array import array
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -192,21 +193,37 @@ def write_canonical(series: WindowSeries, path: str | Path) -> None:
 
 
 def read_azure2023(path: str | Path, window_s: float | None = None) -> WindowSeries:
+    """Streamed row by row into float arrays (a week of Azure 2024, ~17 M rows, holds ~0.4 GB,
+    not every stamp as an object)."""
     path = Path(path)
-    stamps, tin, tout = [], [], []
+    secs, tin, tout = array("d"), array("d"), array("d")
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            stamps.append(row["TIMESTAMP"])
-            tin.append(float(row["ContextTokens"]))
-            tout.append(float(row["GeneratedTokens"]))
-    if not stamps:
+        rows = csv.reader(f)
+        head = [c.strip() for c in next(rows, [])]
+        try:
+            cols = [head.index(c) for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens")]
+        except ValueError:
+            raise ValueError(f"{path}: not an Azure per-request trace (header {head[:6]})") from None
+        i_t, i_in, i_out = cols
+        for row in rows:
+            if not row:
+                continue
+            try:
+                secs.append((_parse_stamp(row[i_t], path) - _EPOCH).total_seconds())
+                tin.append(float(row[i_in]))
+                tout.append(float(row[i_out]))
+            except IndexError:
+                raise ValueError(f"{path}: a row with too few columns ({str(row)[:80]})") from None
+    if not secs:
         raise ValueError(f"{path}: no requests")
+    t = np.frombuffer(secs, dtype=float)
+    midnight = dt.datetime.combine((_EPOCH + dt.timedelta(seconds=float(t.min()))).date(), dt.time())
+    rel = t - (midnight - _EPOCH).total_seconds()
+    return aggregate(path.stem, rel, window_s or _default_window(rel), np.frombuffer(tin, dtype=float),
+                     np.frombuffer(tout, dtype=float), day0_weekday=midnight.weekday())
 
-    ts = [_parse_stamp(s, path) for s in stamps]
-    midnight = dt.datetime.combine(min(ts).date(), dt.time())
-    secs = np.array([(x - midnight).total_seconds() for x in ts])
-    return aggregate(path.stem, secs, window_s or _default_window(secs), np.array(tin),
-                     np.array(tout), day0_weekday=midnight.weekday())
+
+_EPOCH = dt.datetime(1970, 1, 1)
 
 
 def _parse_stamp(s: str, path: Path) -> dt.datetime:

@@ -137,3 +137,15 @@ def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n")
     with pytest.raises(ValueError, match="not ISO 8601"):
         read_trace(bad)
+    short = tmp_path / "short_azure.csv"
+    short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:01,1\n")
+    with pytest.raises(ValueError, match="too few columns"):
+        read_trace(short)
+    # the columns found by name, in any order
+    swapped = tmp_path / "swapped.csv"
+    swapped.write_text("ContextTokens,GeneratedTokens,TIMESTAMP\n"
+                       + "".join(f"5,1,2024-05-10 00:0{m}:0{m}\n" for m in range(4)))
+    with pytest.raises(ValueError, match="unknown trace format"):
+        read_trace(swapped)  # detection looks at the first column, as before
+    s = read_trace(swapped, "azure2023")
+    assert list(s.requests) == [1, 1, 1] and list(s.input_tokens) == [5, 5, 5]
