@@ -28,6 +28,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,6 @@ def ttft_larger(profile: Profile, t: float) -> Profile:
     capacities unchanged: a host whose prefill the model underestimates."""
     if t == 1.0:
         return profile
-    from dataclasses import replace
     return replace(profile, name=f"{profile.name}-ttft-x{t:g}", curves=tuple(
         replace(c, ttft_p50_s=tuple(x * t for x in c.ttft_p50_s),
                 ttft_p90_s=tuple(x * t for x in c.ttft_p90_s)) for c in profile.curves))

@@ -91,9 +91,7 @@ def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
     """The mean TTFT ``curve`` predicts at ``rate`` on the profile taken as ``s`` x slower: the
     mean of a lognormal through its TTFT p50 and p90 at ``s · rate``, times ``s``. (The agent
     reports a mean; TTFT's tail — long prompts, queueing — puts it above the median.)"""
-    r = min(s * rate, curve.capacity_rps)
-    p50 = float(np.interp(r, curve.load_rps, curve.ttft_p50_s))
-    p90 = float(np.interp(r, curve.load_rps, curve.ttft_p90_s))
+    p50, p90 = curve.at(min(s * rate, curve.capacity_rps))[:2]
     sigma = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
     return s * p50 * math.exp(0.5 * sigma * sigma)
 

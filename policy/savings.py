@@ -581,16 +581,14 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             # window w - 1 as the host served it: the TPOT it showed, the slowdown it implies
             prev, end = topos[-1], float(series.t_start_s[w - 1]) + W
             if not math.isnan(rates[w - 1]) and (w < 2 or topos[-2] == prev):
-                rate = float(rates[w - 1])
+                rate, base = float(rates[w - 1]), cal.base.curve(prev)
                 tpot = cal.host.tpot_s(prev, rate)
                 ttft = mean_ttft(cal.host.profile.curve(prev), rate)
                 if cal.noise > 0:
                     tpot *= math.exp(cal.noise * float(rng.standard_normal()))
                     ttft *= math.exp(cal.noise * float(rng_ttft.standard_normal()))
-                observed.append(Observation(end, rate * W,
-                                            implied_slowdown(cal.base.curve(prev), rate, tpot)))
-                observed_ttft.append(Observation(end, rate * W, implied_ttft_slowdown(
-                    cal.base.curve(prev), rate, ttft)))
+                observed.append(Observation(end, rate * W, implied_slowdown(base, rate, tpot)))
+                observed_ttft.append(Observation(end, rate * W, implied_ttft_slowdown(base, rate, ttft)))
             s_now = calibrated_slowdown(observed, end, cal.floor, cal.cfg)
             key = (s_now, calibrated_slowdown(observed_ttft, end, s_now, cal.cfg,
                                               cal.cfg.ttft_min_windows))

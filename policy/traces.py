@@ -250,15 +250,13 @@ def read_burstgpt(path: str | Path, window_s: float | None = None) -> WindowSeri
                 tout.append(float(row.get("Response tokens") or 0))
             except (TypeError, ValueError):
                 raise ValueError(f"{path}: a row that is not BurstGPT's ({str(row)[:80]})") from None
-    if not t:
-        raise ValueError(f"{path}: no requests")
     times = np.array(t)
     return aggregate(path.stem, times, window_s or _default_window(times), np.array(tin),
                      np.array(tout), origin_s=0.0)
 
 
 def _default_window(times_s: np.ndarray) -> float:
-    return LONG_WINDOW_S if float(np.ptp(times_s)) > LONG_SPAN_S else 60.0
+    return LONG_WINDOW_S if len(times_s) and float(np.ptp(times_s)) > LONG_SPAN_S else 60.0
 
 
 def read_mooncake(path: str | Path, window_s: float | None = None) -> WindowSeries:
@@ -271,8 +269,6 @@ def read_mooncake(path: str | Path, window_s: float | None = None) -> WindowSeri
                 t.append(float(d["timestamp"]) / 1e3)
                 tin.append(float(d.get("input_length", 0)))
                 tout.append(float(d.get("output_length", 0)))
-    if not t:
-        raise ValueError(f"{path}: no requests")
     times = np.array(t)
     return aggregate(path.stem, times, window_s or _default_window(times), np.array(tin),
                      np.array(tout), origin_s=0.0)

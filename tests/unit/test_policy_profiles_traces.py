@@ -125,6 +125,10 @@ def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
     bad.write_text(rows[0] + "\nsoon,ChatGPT,1,1,2,x\n")
     with pytest.raises(ValueError, match="not BurstGPT"):
         read_trace(bad)
+    empty = tmp_path / "empty.csv"
+    empty.write_text(rows[0] + "\n")
+    with pytest.raises(ValueError, match="no requests"):
+        read_trace(empty)
 
     a = tmp_path / "AzureLLMInferenceTrace_code_1week.csv"
     a.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
