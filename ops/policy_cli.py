@@ -1,6 +1,6 @@
 """``remp policy …`` commands (I/O edge).
 
-    remp policy evaluate --trace FILE [--format F] [--window-s S] [--profile P]
+    remp policy evaluate --trace FILE [--format F] [--column C] [--window-s S] [--profile P]
         [--objective gpu-hours|latency|goodput] [--load-scale K] [--slo-ttft-ms MS]
         [--slo-tpot-ms MS] [--json] [--png FILE [--day N]]
     remp policy profiles
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="replay a trace: every policy side by side")
     ev.add_argument("--trace", required=True, help="trace file")
     ev.add_argument("--format", default="auto", choices=FORMATS, help="trace format (default: detect)")
+    ev.add_argument("--column", default=None, metavar="NAME",
+                    help="hourly count traces (day,hour,<count columns>): the column to replay "
+                    "(default: conversation, else all/total, else the only one)")
     ev.add_argument("--window-s", type=float, default=None,
                     help="window length (per-request traces: default 60; windowed: re-bin)")
     ev.add_argument("--profile", default="h100x8-llama2-7b",
@@ -302,7 +305,7 @@ def _savings_table(ev) -> str:  # noqa: ANN001 - SavingsEvaluation
 def _replay_inputs(args):
     """The trace's load series, the profile and the SLO (the profile's unless given) a replay
     runs on; ValueError/OSError for a bad trace or profile."""
-    series = read_trace(args.trace, args.format, args.window_s)
+    series = read_trace(args.trace, args.format, args.window_s, args.column)
     profile = load_profile(args.profile).slowed(args.profile_slowdown)
     d = profile.default_slo
     slo = SLO(args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else d.ttft_s,

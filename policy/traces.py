@@ -13,7 +13,12 @@ Readers for every format in ``../shared/traces`` (see its PROVENANCE.md):
   requests, 0 response tokens, are arrivals too). Time of day is unknown (t=0 midnight).
 - ``mooncake``: Mooncake FAST'25 JSONL, ``timestamp`` in ms from trace start, ``input_length``,
   ``output_length``; aggregated into windows (default 60 s). Time of day is unknown (t=0 midnight).
-- ``azure2024-hourly``: ``day,hour,date,conversation`` hourly counts (3600 s windows).
+- ``hourly`` (alias ``azure2024-hourly``): hourly request counts, ``day,hour[,date],<count
+  columns>`` (3600 s windows): the Azure 2024 aggregate ``day,hour,date,conversation``, and
+  any file of the same shape with several count columns (e.g. ``conversation,api,all``). The
+  column read is ``column`` if given, else ``conversation``, else ``all`` / ``total``, else the
+  only one; a series read from a file with several count columns is named ``<file>-<column>``.
+  Hours absent from the file are missing windows, not zero load; an empty count is missing too.
 - ``servegen``: ServeGen 10-min aggregates ``window_start_s,...,requests_est,...,
   input_tokens_sum_est,output_tokens_sum_est,token_coverage,active_clients``; windows with no
   active client are collection gaps and are marked missing, not zero.
@@ -30,13 +35,16 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import math
 from array import array
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-FORMATS = ("auto", "canonical", "azure2023", "mooncake", "azure2024-hourly", "servegen", "burstgpt")
+FORMATS = ("auto", "canonical", "azure2023", "mooncake", "hourly", "azure2024-hourly", "servegen", "burstgpt")
+HOURLY_KEYS = ("day", "hour", "date")  # the hourly format's non-count columns
+HOURLY_DEFAULT_COLUMNS = ("conversation", "all", "total")  # read in this order unless one is named
 LONG_SPAN_S = 2 * 86400.0  # per-request traces longer than this default to LONG_WINDOW_S windows
 LONG_WINDOW_S = 600.0
 
@@ -147,8 +155,8 @@ def detect_format(path: str | Path) -> str:
         return "azure2023"
     if cols[:1] == ["t_start_s"]:
         return "canonical"
-    if "conversation" in cols and "hour" in cols:
-        return "azure2024-hourly"
+    if "day" in cols and "hour" in cols:
+        return "hourly"
     if "requests_est" in cols and "window_start_s" in cols:
         return "servegen"
     if "Timestamp" in cols and "Request tokens" in cols:
@@ -240,19 +248,30 @@ def _parse_stamp(s: str, path: Path) -> dt.datetime:
 
 
 def read_burstgpt(path: str | Path, window_s: float | None = None) -> WindowSeries:
+    """Streamed into float arrays, as the Azure reader (BurstGPT's files hold 1.4-3.8 M rows)."""
     path = Path(path)
-    t, tin, tout = [], [], []
+    t, tin, tout = array("d"), array("d"), array("d")
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
+        rows = csv.reader(f)
+        head = [c.strip() for c in next(rows, [])]
+        try:
+            i_t = head.index("Timestamp")
+        except ValueError:
+            raise ValueError(f"{path}: not a BurstGPT trace (header {head[:6]})") from None
+        i_in = head.index("Request tokens") if "Request tokens" in head else None
+        i_out = head.index("Response tokens") if "Response tokens" in head else None
+        for row in rows:
+            if not row:
+                continue
             try:
-                t.append(float(row["Timestamp"]))
-                tin.append(float(row.get("Request tokens") or 0))
-                tout.append(float(row.get("Response tokens") or 0))
-            except (TypeError, ValueError):
+                t.append(float(row[i_t]))
+                tin.append(float(row[i_in] or 0) if i_in is not None else 0.0)
+                tout.append(float(row[i_out] or 0) if i_out is not None else 0.0)
+            except (IndexError, ValueError):
                 raise ValueError(f"{path}: a row that is not BurstGPT's ({str(row)[:80]})") from None
-    times = np.array(t)
-    return aggregate(path.stem, times, window_s or _default_window(times), np.array(tin),
-                     np.array(tout), origin_s=0.0)
+    times = np.frombuffer(t, dtype=float)
+    return aggregate(path.stem, times, window_s or _default_window(times), np.frombuffer(tin, dtype=float),
+                     np.frombuffer(tout, dtype=float), origin_s=0.0)
 
 
 def _default_window(times_s: np.ndarray) -> float:
@@ -274,19 +293,63 @@ def read_mooncake(path: str | Path, window_s: float | None = None) -> WindowSeri
                      np.array(tout), origin_s=0.0)
 
 
-def read_azure2024_hourly(path: str | Path) -> WindowSeries:
+def read_hourly(path: str | Path, column: str | None = None) -> WindowSeries:
+    """Hourly request counts (``day,hour[,date],<count columns>``): one 3600-s window per
+    (day, hour); hours the file lacks and empty counts are missing windows."""
     path = Path(path)
-    t, req, date0 = [], [], None
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            t.append(int(row["day"]) * 86400 + int(row["hour"]) * 3600)
-            req.append(float(row["conversation"]))
-            date0 = date0 or row.get("date")
-    order = np.argsort(t)
-    weekday = dt.date.fromisoformat(date0).weekday() if date0 else None
-    return WindowSeries(name=path.stem, window_s=3600.0, t_start_s=np.asarray(t, dtype=float)[order],
-                        requests=np.asarray(req)[order], missing=np.zeros(len(t), dtype=bool),
-                        day0_weekday=weekday)
+        rd = csv.DictReader(f)
+        head = [c.strip() for c in (rd.fieldnames or [])]
+        counts = [c for c in head if c not in HOURLY_KEYS]
+        if "day" not in head or "hour" not in head or not counts:
+            raise ValueError(f"{path}: not an hourly count trace (header {head[:6]}; needs day, hour "
+                             "and a count column)")
+        col = _hourly_column(path, counts, column)
+        rd.fieldnames = head
+        slots: dict[int, float] = {}
+        dates: dict[int, str] = {}
+        for row in rd:
+            try:
+                day, hour = int(row["day"]), int(row["hour"])
+                v = (row.get(col) or "").strip()
+                n = float(v) if v else float("nan")
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: a row that is not an hourly count ({str(row)[:80]})") from None
+            if day < 0 or not 0 <= hour < 24 or n < 0 or math.isinf(n):
+                raise ValueError(f"{path}: day {day}, hour {hour}, count {n:g}: out of range")
+            slot = day * 24 + hour
+            if slot in slots:
+                raise ValueError(f"{path}: day {day} hour {hour} appears twice")
+            slots[slot] = n
+            if (row.get("date") or "").strip():
+                dates[slot] = row["date"].strip()
+    if not slots:
+        raise ValueError(f"{path}: no rows")
+    first, last = min(slots), max(slots)
+    req = np.array([slots.get(k, np.nan) for k in range(first, last + 1)])
+    missing = np.isnan(req)
+    weekday = None
+    if first in dates:  # the calendar date of the first row's day gives day 0's weekday
+        try:
+            weekday = (dt.date.fromisoformat(dates[first]) - dt.timedelta(days=first // 24)).weekday()
+        except ValueError:
+            raise ValueError(f"{path}: date {dates[first][:40]!r} is not an ISO date") from None
+    name = path.stem if len(counts) == 1 else f"{path.stem}-{col}"
+    return WindowSeries(name=name, window_s=3600.0, t_start_s=3600.0 * np.arange(first, last + 1),
+                        requests=np.nan_to_num(req), missing=missing, day0_weekday=weekday)
+
+
+def _hourly_column(path: Path, counts: list[str], column: str | None) -> str:
+    if column is not None:
+        if column not in counts:
+            raise ValueError(f"{path}: no count column {column[:40]!r}; it has {', '.join(counts)}")
+        return column
+    for c in HOURLY_DEFAULT_COLUMNS:
+        if c in counts:
+            return c
+    if len(counts) == 1:
+        return counts[0]
+    raise ValueError(f"{path}: several count columns ({', '.join(counts[:8])}); pass --column")
 
 
 def read_servegen(path: str | Path) -> WindowSeries:
@@ -305,21 +368,29 @@ def read_servegen(path: str | Path) -> WindowSeries:
                         missing=np.asarray(miss), input_tokens=np.asarray(tin), output_tokens=np.asarray(tout))
 
 
-def read_trace(path: str | Path, fmt: str = "auto", window_s: float | None = None) -> WindowSeries:
+def read_trace(path: str | Path, fmt: str = "auto", window_s: float | None = None,
+               column: str | None = None) -> WindowSeries:
     """Read any supported trace; ``window_s`` sets the window for per-request formats and
-    re-bins windowed ones (must be a multiple of their native window)."""
+    re-bins windowed ones (must be a multiple of their native window); ``column`` picks the
+    count column of an hourly trace."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no trace file {path}")
     fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "azure2024-hourly":
+        fmt = "hourly"
+    if column is not None and fmt != "hourly":
+        raise ValueError(f"a count column is chosen only in an hourly trace, not in {fmt!r}")
+    if fmt == "hourly":
+        series = read_hourly(path, column)
+        return series.rebin(window_s) if window_s else series
     if fmt == "azure2023":
         return read_azure2023(path, window_s)
     if fmt == "mooncake":
         return read_mooncake(path, window_s)
     if fmt == "burstgpt":
         return read_burstgpt(path, window_s)
-    readers = {"canonical": read_canonical, "azure2024-hourly": read_azure2024_hourly,
-               "servegen": read_servegen}
+    readers = {"canonical": read_canonical, "servegen": read_servegen}
     if fmt not in readers:
         raise ValueError(f"unknown trace format {fmt!r}; one of {', '.join(FORMATS)}")
     series = readers[fmt](path)

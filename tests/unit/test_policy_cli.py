@@ -22,3 +22,21 @@ def test_cli_error_is_one_line(capsys, tmp_path):
     assert main(["evaluate", "--trace", str(tmp_path / "none.csv"), "--profile", "h200x8-analytic"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("remp: error:")
+
+
+def test_cli_replays_the_chosen_column_of_an_hourly_trace(tmp_path, capsys):
+    """``--column`` picks the series of an hourly count file with several (the report names it);
+    an unknown column, or a column for a format that has none, is a one-line error."""
+    t = np.arange(48)
+    conv = (100 * (1.5 + np.sin(2 * np.pi * t / 24))).astype(int)
+    rows = ["day,hour,conversation,api,all"] + [f"{h // 24},{h % 24},{c},{3 * c},{4 * c}" for h, c in zip(t, conv)]
+    (tmp_path / "svc.csv").write_text("\n".join(rows) + "\n")
+    assert main(["evaluate", "--trace", str(tmp_path / "svc.csv"), "--column", "api", "--load-scale", "0.6"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trace svc-api: 48 windows of 3600 s")
+    assert main(["evaluate", "--trace", str(tmp_path / "svc.csv"), "--column", "tokens"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no count column 'tokens'" in err[0]
+    write_canonical(WindowSeries("x", 3600.0, t * 3600.0, conv.astype(float), np.zeros(48, bool)), tmp_path / "c.csv")
+    assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--column", "api"]) == 2
+    assert "only in an hourly trace" in capsys.readouterr().err

@@ -76,7 +76,7 @@ def test_aggregate_and_canonical_round_trip(tmp_path):
 @pytest.mark.parametrize("rel,fmt,window", [
     ("azure2023/AzureLLMInferenceTrace_conv.csv", "azure2023", 60.0),
     ("mooncake/conversation_trace.jsonl", "mooncake", 60.0),
-    ("azure2024/azure2024_conv_hourly.csv", "azure2024-hourly", 3600.0),
+    ("azure2024/azure2024_conv_hourly.csv", "hourly", 3600.0),
     ("servegen/servegen_m-mid_10min.csv", "servegen", 600.0),
 ])
 def test_shared_trace_readers(rel, fmt, window):
@@ -97,8 +97,58 @@ def test_shared_trace_readers(rel, fmt, window):
     assert np.nanmax(s.rates) > 0
     if fmt == "servegen":
         assert s.missing.sum() == 84  # collection gaps are missing, not zero load
-    if fmt == "azure2024-hourly":
+    if fmt == "hourly":
         assert s.requests.sum() == 24_732_434
+        assert s.name == "azure2024_conv_hourly" and s.day0_weekday == 6  # 2024-05-12, a Sunday
+        assert read_trace(path, "azure2024-hourly").requests.sum() == 24_732_434  # the old name
+
+
+def test_hourly_count_traces_with_several_columns_gaps_and_bad_rows(tmp_path):
+    """Hourly counts of any service (``day,hour[,date],<count columns>``), e.g. an aggregate with
+    ``conversation,api,all``: the column read is named or, by default, ``conversation`` (then
+    ``all``/``total``, then the only one); hours the file lacks are missing windows, not zero
+    load; a bad row, a duplicate hour or an unknown column is a clear error."""
+    from policy.traces import detect_format
+
+    h = tmp_path / "svc_hourly.csv"
+    rows = ["day,hour,conversation,api,all"]
+    rows += [f"{d},{hr},{10 + hr},{100 if hr == 9 else 0},{10 + hr + (100 if hr == 9 else 0)}"
+             for d in range(2) for hr in range(24) if (d, hr) != (1, 3)]  # day 1, 03:00 absent
+    h.write_text("\n".join(rows) + "\n")
+    assert detect_format(h) == "hourly"
+    s = read_trace(h)
+    assert s.name == "svc_hourly-conversation" and s.window_s == 3600.0 and len(s) == 48
+    assert s.missing.sum() == 1 and s.missing[27] and s.requests[9] == 19
+    assert s.day0_weekday is None and s.t_start_s[-1] == 47 * 3600
+    api = read_trace(h, column="all")
+    assert api.name == "svc_hourly-all" and api.requests[9] == 119
+    assert read_trace(h, window_s=7200.0).requests[0] == 10 + 11  # re-binned
+    with pytest.raises(ValueError, match="no count column 'tokens'; it has conversation, api, all"):
+        read_trace(h, column="tokens")
+    with pytest.raises(ValueError, match="only in an hourly trace"):
+        read_trace(h, "servegen", column="api")
+    two = tmp_path / "two.csv"
+    two.write_text("hour,day,a,b\n0,0,1,2\n1,0,1,2\n")
+    with pytest.raises(ValueError, match="several count columns \\(a, b\\); pass --column"):
+        read_trace(two)
+    assert list(read_trace(two, column="b").requests) == [2, 2]
+    dup = tmp_path / "dup.csv"
+    dup.write_text("day,hour,date,code\n0,0,2024-05-10,5\n0,0,2024-05-10,6\n")
+    with pytest.raises(ValueError, match="hour 0 appears twice"):
+        read_trace(dup)
+    dated = tmp_path / "dated.csv"
+    dated.write_text("day,hour,date,code\n1,5,2024-05-11,5\n1,6,2024-05-11,\n2,0,2024-05-12,7\n")
+    s = read_trace(dated)
+    assert s.name == "dated" and s.t_start_s[0] == 86400 + 5 * 3600 and len(s) == 20
+    assert s.day0_weekday == 4 and s.missing.sum() == 18  # day 0 = 2024-05-10, a Friday; 06:00 empty
+    for text, match in (("day,hour,code\n0,25,1\n", "out of range"), ("day,hour,code\n0,1,-1\n", "out of range"),
+                        ("day,hour,code\n0,x,1\n", "not an hourly count"),
+                        ("day,hour,date,code\n0,1,May 10,1\n", "not an ISO date"),
+                        ("day,hour,code\n", "no rows")):
+        bad = tmp_path / "bad_hourly.csv"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            read_trace(bad)
 
 
 def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
