@@ -49,7 +49,7 @@ from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile
 from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
-from policy.scale import (Band, CapacityTable, ScaleConfig, after, decide_scale, observed_growth,
+from policy.scale import (Band, CapacityTable, ScaleConfig, after, decide_scale, observed_burst, observed_growth,
                           weighted_quantile)
 from policy.traces import WindowSeries
 from remp.topology import Topology
@@ -626,9 +626,11 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
             grow = observed_growth(day, peak_n, cfg.bet_growth_quantile)
+            burst = (observed_burst(rates[max(0, w - cfg.windows(cfg.burst_span_s, W)):w], peak_n,
+                                    1.0 + cfg.bet_growth_max) if cfg.burst_span_s > 0 else math.nan)
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
                              max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk,
-                             grow)
+                             grow, burst)
             decisions.append(d)
             state = after(state, d)
         topos.append(state.current)

@@ -25,7 +25,11 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   requests), and it covers the absolute floor ``floor_rps``. The bet's growth g is
   ``bet_growth``, or the ``bet_growth_quantile`` of the jumps the last 24 h showed
   (``observed_growth``: a window's rate over the peak of the ``peak_s`` before it) where that is
-  larger, at most ``bet_growth_max``: traffic that has leapt before is bet to leap again.
+  larger, at most ``bet_growth_max``: traffic that has leapt before is bet to leap again. Where
+  the last ``burst_span_s`` (2 days) held a burst — a window above (1 + ``bet_growth_max``) x
+  the peak of the hour before it — the bet is at least that peak plus the largest such rise in
+  req/s (``observed_burst``): batch-job bursts on a quiet service are absolute, not a ratio of
+  the quiet hour, and come back after a burst-free day.
 - **Scale up at once** (no dwell, never held by the budget while a switch is left) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
   day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
@@ -122,6 +126,11 @@ class ScaleConfig:
     # whose rate has tripled within an hour before is bet to do so again (0: bet_growth alone)
     bet_growth_quantile: float = 0.99
     bet_growth_max: float = 1.0
+    # bursts: a window above (1 + bet_growth_max) x the peak of the peak_s before it; the largest
+    # such rise (req/s) of the last burst_span_s is added to the bet's peak: traffic that took
+    # batch-job bursts (a rise no ratio of a quiet hour foresees) is bet to take one again, for
+    # this long after the last (0: no burst memory)
+    burst_span_s: float = 2 * 86400.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -130,6 +139,8 @@ class ScaleConfig:
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
         if not (0 <= self.bet_growth_quantile <= 1 and self.bet_growth_max >= self.bet_growth):
             raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth")
+        if not self.burst_span_s >= 0:
+            raise ValueError("burst_span_s >= 0")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
             raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
         if not self.down_reserve >= 1:
@@ -284,7 +295,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
                  recent_peak: float = math.nan, recent: np.ndarray | None = None,
                  error_budget: float = math.inf, seasonal: float = math.nan,
                  day_goodput: float = math.nan, day_peak: float = math.nan,
-                 growth: float = math.nan) -> ScaleDecision:
+                 growth: float = math.nan, burst: float = math.nan) -> ScaleDecision:
     """One decision for the window starting at ``now_s`` (see the module docstring).
     ``recent_peak``: the highest rate observed over the last ``min_dwell_s`` (NaN: unknown); a
     scale-down target must also cover it with headroom (bursty traffic makes the multiplicative
@@ -292,7 +303,8 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     fixed-best's mean in-SLO rate over the observed windows of the last 24 h (req/s; NaN: the
     loss budget is not scaled for quiet windows). ``day_peak``: the highest rate of the last
     24 h, NaN until a whole day has been observed (sizes the day's last scale-up). ``growth``:
-    ``observed_growth`` of the last 24 h (NaN: bet_growth alone)."""
+    ``observed_growth`` of the last 24 h (NaN: bet_growth alone). ``burst``: ``observed_burst``
+    of the last ``burst_span_s`` (req/s added to the bet's peak; NaN or 0: none)."""
     W = band.window_s
     H = len(band.upper)
     last = 0.0 if math.isnan(last_rate) else float(last_rate)
@@ -346,7 +358,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                             up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, last_need,
-                            growth)
+                            growth, burst)
 
     # gpu-hours, sizing "band"
     if n_now > cap:
@@ -452,6 +464,22 @@ def observed_growth(rates: np.ndarray, peak_n: int, quantile: float) -> float:
     return float(np.quantile(x[peak_n:][ok] / prev[ok] - 1.0, quantile))
 
 
+def observed_burst(rates: np.ndarray, peak_n: int, ratio: float) -> float:
+    """The largest burst in ``rates`` (oldest first, NaN = missing): how far (req/s) a window's
+    rate rose above the highest of the ``peak_n`` windows before it, over the windows where it
+    rose above ``ratio`` x that peak and those windows were all observed (a rise after a data
+    gap is traffic coming back, not a burst); 0 when none, NaN with fewer than 6 windows."""
+    x = np.asarray(rates, dtype=float)
+    if len(x) < peak_n + 6 or peak_n < 1:
+        return math.nan
+    hours = np.lib.stride_tricks.sliding_window_view(x[:-1], peak_n)
+    seen = ~np.isnan(hours).any(axis=1)
+    before = np.where(seen, np.nan_to_num(hours).max(axis=1), np.inf)
+    cur = x[peak_n:]
+    burst = seen & ~np.isnan(cur) & (cur > ratio * np.maximum(before, 0.0))
+    return float((cur[burst] - before[burst]).max()) if burst.any() else 0.0
+
+
 def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Load samples for the next ``n`` windows: every forecast scenario's path over them, and the
     recent observed rates (each assumed possible in any of them); weights sum to 1."""
@@ -466,7 +494,7 @@ def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.
 
 def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                  up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput,
-                 last_need, growth):  # noqa: ANN001 - see decide_scale (last_need: _last_need)
+                 last_need, growth, burst):  # noqa: ANN001 - see decide_scale (last_need: _last_need)
     """gpu-hours with sizing "risk" (see the module docstring)."""
     W = band.window_s
     cur = state.current
@@ -496,7 +524,8 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     # the bet: one window at the recent peak, allowed to rise by bet_growth (with 1-h windows and
     # no day of history, a morning ramp of +30 % an hour is not in the recent peak yet)
     g = cfg.bet_growth if math.isnan(growth) else min(max(cfg.bet_growth, growth), cfg.bet_growth_max)
-    peak = peak * (1.0 + g)
+    # and, where the traffic took bursts lately, at the recent peak plus the largest of them
+    peak = max(peak * (1.0 + g), peak + (0.0 if math.isnan(burst) else burst))
     gb_peak = float(table.scorer.goodput_rps(table.fixed_best, peak))
 
     def bet(t: Topology) -> float:
@@ -532,8 +561,10 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
                          last_need)
     tgt = cheapest(now)
     if tgt.world_size >= cur.world_size:
-        return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%}", 0.0, "gpu-hours",
-                   1, n_now)
+        why = (f"; a burst of {burst:.3g} req/s in the last {cfg.burst_span_s / 3600:g} h is bet to come again "
+               f"(one window at {peak:.3g} req/s)" if not math.isnan(burst) and burst > 0 else "")
+        return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%} and the SLO error "
+                   f"budget's bet{why}", 0.0, "gpu-hours", 1, n_now)
     need_n = max(cfg.recent_windows, cfg.windows(cfg.recent_s, W))
     # warm-up: a scale-down needs need_n windows observed in a row (at the start, after a gap)
     seen = need_n if recent is None else (len(rec) if not np.isnan(rec).any()

@@ -50,7 +50,8 @@ from policy.decide import (DAY_S, AutoPolicy, CandidateScore, Decision, PolicyCo
                            Scorer)
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
-from policy.scale import Band, CapacityTable, ScaleConfig, ScaleDecision, decide_scale, observed_growth
+from policy.scale import (Band, CapacityTable, ScaleConfig, ScaleDecision, decide_scale, observed_burst,
+                          observed_growth)
 from policy.scale import after as scale_after
 from remp import logs
 from remp import metrics
@@ -253,6 +254,7 @@ class ScaleInputs:
     day_goodput: float = math.nan  # fixed-best's mean in-SLO rate over the last 24 h's observed windows
     day_peak: float = math.nan  # the highest rate of the last 24 h (NaN until a whole day is observed)
     growth: float = math.nan  # policy.scale.observed_growth of the last 24 h
+    burst: float = math.nan  # policy.scale.observed_burst of the last burst_span_s (req/s)
 
 
 def error_budget(table: CapacityTable, history: Sequence[Window], window_s: float, now_s: float,
@@ -311,7 +313,11 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
     day_peak = float(day.max()) if whole_day and day.size else math.nan
     # its jumps (missing windows count as no traffic, as in a replay)
     growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile)
-    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth)
+    burst = math.nan
+    if cfg.burst_span_s > 0:
+        span = np.array([w.rate for w in history if w.t0 >= now_s - cfg.burst_span_s - 1e-9], dtype=float)
+        burst = observed_burst(span, peak_n, 1.0 + cfg.bet_growth_max)
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth, burst)
 
 
 def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -651,7 +657,7 @@ class _Node:
     pending: _Pending | None = None
     following: _Following | None = None
     problem: str = ""
-    history: deque = field(default_factory=deque)  # Window, oldest first (the last day)
+    history: deque = field(default_factory=deque)  # Window, oldest first (the last day, or burst_span_s)
     scale_state: PolicyState | None = None  # gpu-hours / latency: current, switch times
     # the node's parked ranks keep their memory (the last report that showed parked ranks had
     # one not released): remembered while every rank is active, as --cache-runners is for life
@@ -682,7 +688,8 @@ class PolicyService:
         base = scale or ScaleConfig(horizon_s=config.horizon_s)
         # the scale config of the impact (goodput) and the decision (gpu-hours, latency)
         self.scale = base if objective == "goodput" else replace(base, objective=objective)
-        self.history_keep = int(math.ceil(DAY_S / window_s)) + 2
+        # the last day (the error budget, yesterday's slot, the jumps), or the burst memory's span
+        self.history_keep = int(math.ceil(max(DAY_S, self.scale.burst_span_s) / window_s)) + 2
         # gpu-hours / latency: each node's profile taken as slower when its observed TPOT says so
         self.calibration = calibration or CalibrationConfig()
         self._tables: dict[tuple[tuple[Topology, ...], float], CapacityTable | str] = {}
@@ -970,7 +977,7 @@ class PolicyService:
         inp = scale_inputs(n.history, self.window_s, cfg, table, now)
         sd = decide_scale(st, now, inp.last_rate, band, table, cfg, inp.recent_peak,
                           inp.recent if cfg.sizing == "risk" else None, inp.error_budget,
-                          inp.seasonal, inp.day_goodput, inp.day_peak, inp.growth)
+                          inp.seasonal, inp.day_goodput, inp.day_peak, inp.growth, inp.burst)
         if sd.recommended not in topos:  # never recommend what the node cannot take
             sd = replace(sd, recommended=cur, switch=False, reason="stay",
                          text=f"{sd.recommended} is not a candidate of this node; staying")

@@ -515,6 +515,13 @@ def test_scale_inputs_recent_peak_and_yesterdays_slot():
     assert math.isnan(short.day_peak)
     # the bet's growth from the last 24 h's jumps, the replay's way (missing windows: no traffic)
     assert inp.growth == pytest.approx(observed_growth(np.array(rates[n - 144:]), 6, c.bet_growth_quantile))
+    # the burst memory spans burst_span_s (2 days), not the last 24 h
+    long = [Window(i * Wd, 1.0, TP1PP2) for i in range(3 * 144)]
+    long[140] = Window(140 * Wd, 41.0, TP1PP2)  # 40 req/s over the hour before: a burst, 2 days + 40 min ago
+    assert scale_inputs(long, Wd, c, table, 3 * 144 * Wd).burst == 0.0
+    long[150] = Window(150 * Wd, 31.0, TP1PP2)  # inside the 2 days
+    assert scale_inputs(long, Wd, c, table, 3 * 144 * Wd).burst == pytest.approx(30.0)
+    assert math.isnan(scale_inputs(long, Wd, replace(c, burst_span_s=0.0), table, 3 * 144 * Wd).burst)
 
 
 def test_settings_objective_defaults():
