@@ -102,12 +102,20 @@ def test_load_sweep_bench_writes_its_table_and_json(tmp_path, monkeypatch, capsy
 
 
 def test_stress_bench_replays_every_variant_and_writes_its_table(tmp_path, monkeypatch, capsys):
-    """bench/policy_stress.py: each trace reversed, twice as fast and noisy, same windows and
-    request counts in total where the variant keeps them, replayed like the grid."""
+    """bench/policy_stress.py: each trace reversed, twice as fast, noisy and with batch bursts
+    (2 a day, 3 x the trace's peak on top, never in a missing window; the trace itself is left
+    as it was), same windows, replayed like the grid; the burst runs also count the days after
+    the first burst's."""
     import bench.policy_stress as stress
 
     s = _diurnal(days=1)
-    rev, fast, noisy = (stress.variant(s, k) for k in stress.VARIANTS)
+    before = s.requests.copy()
+    rev, fast, noisy, burst = (stress.variant(s, k) for k in stress.VARIANTS)
+    assert np.array_equal(s.requests, before)
+    added = burst.requests - s.requests
+    assert np.all(added >= 0) and np.count_nonzero(added) == 2 * 1  # 2 bursts of one 10-min window
+    assert added.max() == pytest.approx(3 * s.requests.max())
+    assert stress.first_burst_day(s, burst) == 0
     assert np.array_equal(rev.requests, s.requests[::-1]) and rev.name == "diurnal-rev"
     assert len(fast.requests) == len(s.requests) and fast.requests.sum() == pytest.approx(s.requests.sum())
     assert np.array_equal(fast.requests[:72], fast.requests[72:])  # the day twice, as fast
@@ -116,7 +124,8 @@ def test_stress_bench_replays_every_variant_and_writes_its_table(tmp_path, monke
         stress.variant(s, "sideways")
     monkeypatch.setattr("bench.policy_savings_table.LOAD_SCALES", (0.6,))
     md, doc = _run_grid_bench(tmp_path, monkeypatch, stress.main, s, "h100")
-    assert "6/6** runs keep every day" in md and "| rev | 2/2 |" in md
+    assert "/8** runs keep every day" in md
+    assert "| rev | 2/2 |" in md and "burst: every day after the day of the first burst" in md
     assert {(r["variant"], r["model"]) for r in doc["runs"]} == {
         (v, m) for v in stress.VARIANTS for m in ("llama2-7b", "llama2-70b")}
     assert md in capsys.readouterr().out
