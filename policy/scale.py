@@ -324,6 +324,8 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     n_now, n_plan, n_down = need(1), need(up_n), need(cover_n)
     if not math.isnan(recent_peak):
         n_down = max(n_down, cfg.headroom * recent_peak)
+        if not math.isnan(burst):  # a burst of the last burst_span_s may come again
+            n_down = max(n_down, recent_peak + burst)
     prof = table.profile.name
 
     def out(target: Topology, reason: str, text: str, saving: float = 0.0, unit: str = "gpu-hours",

@@ -557,6 +557,20 @@ def test_a_burst_is_remembered_in_req_per_s_and_bet_again(table):
     assert not held.switch and "is bet to come again" in held.text, held.text
 
 
+def test_latency_objective_keeps_room_for_a_remembered_burst(table):
+    """The latency objective moves off-peak to a lower-TPOT host topology only if it also covers
+    the recent peak plus a burst of the last burst_span_s."""
+    cfg = ScaleConfig(objective="latency")
+    cur = table.fixed_best
+    d = decide_scale(PolicyState(cur, last_switch_s=0.0), 1e5, 1.0, band(1.0), table, cfg, recent_peak=1.0)
+    assert d.switch and table.slo_cap[d.recommended] < table.slo_cap[cur], d.text
+    burst = table.slo_cap[d.recommended]  # more than the lower-latency topology covers above 1 req/s
+    kept = decide_scale(PolicyState(cur, last_switch_s=0.0), 1e5, 1.0, band(1.0), table, cfg, recent_peak=1.0,
+                        burst=burst)
+    assert kept.need_rps >= 1.0 + burst
+    assert kept.recommended == cur or table.slo_cap[kept.recommended] >= 1.0 + burst, kept.text
+
+
 def test_replay_keeps_the_day_on_recurring_bursts_after_the_first(table):
     """Hourly traffic with batch bursts 20 x its own peak at random hours (10 % of them): with the
     burst memory auto keeps every day after the first burst >= 99 % (it stays sized for bursts);
