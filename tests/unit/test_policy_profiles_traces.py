@@ -132,10 +132,7 @@ def test_hourly_count_traces_with_several_columns_gaps_and_bad_rows(tmp_path):
     with pytest.raises(ValueError, match="several count columns \\(a, b\\); pass --column"):
         read_trace(two)
     assert list(read_trace(two, column="b").requests) == [2, 2]
-    dup = tmp_path / "dup.csv"
-    dup.write_text("day,hour,date,code\n0,0,2024-05-10,5\n0,0,2024-05-10,6\n")
-    with pytest.raises(ValueError, match="hour 0 appears twice"):
-        read_trace(dup)
+    _refused(tmp_path, "day,hour,date,code\n0,0,2024-05-10,5\n0,0,2024-05-10,6\n", "hour 0 appears twice")
     dated = tmp_path / "dated.csv"
     dated.write_text("day,hour,date,code\n1,5,2024-05-11,5\n1,6,2024-05-11,\n2,0,2024-05-12,7\n")
     s = read_trace(dated)
@@ -145,10 +142,15 @@ def test_hourly_count_traces_with_several_columns_gaps_and_bad_rows(tmp_path):
                         ("day,hour,code\n0,x,1\n", "not an hourly count"),
                         ("day,hour,date,code\n0,1,May 10,1\n", "not an ISO date"),
                         ("day,hour,code\n", "no rows")):
-        bad = tmp_path / "bad_hourly.csv"
-        bad.write_text(text)
-        with pytest.raises(ValueError, match=match):
-            read_trace(bad)
+        _refused(tmp_path, text, match)
+
+
+def _refused(tmp_path, text: str, match: str, fmt: str = "auto") -> None:
+    """A trace file holding ``text`` is refused with a ValueError matching ``match``."""
+    bad = tmp_path / "refused.csv"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_trace(bad, fmt)
 
 
 def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
@@ -187,14 +189,8 @@ def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
     s = read_trace(a)
     assert s.window_s == 60.0 and list(s.requests) == [2, 1]
     assert s.t_start_s[0] == 22 * 3600 and s.day0_weekday == 3  # UTC: 2024-05-09, a Thursday
-    bad = tmp_path / "bad_azure.csv"
-    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n")
-    with pytest.raises(ValueError, match="not ISO 8601"):
-        read_trace(bad)
-    short = tmp_path / "short_azure.csv"
-    short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:01,1\n")
-    with pytest.raises(ValueError, match="too few columns"):
-        read_trace(short)
+    _refused(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n", "not ISO 8601")
+    _refused(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:01,1\n", "too few columns")
     # the columns found by name, in any order
     swapped = tmp_path / "swapped.csv"
     swapped.write_text("ContextTokens,GeneratedTokens,TIMESTAMP\n"
