@@ -129,3 +129,16 @@ def test_stress_bench_replays_every_variant_and_writes_its_table(tmp_path, monke
     assert {(r["variant"], r["model"]) for r in doc["runs"]} == {
         (v, m) for v in stress.VARIANTS for m in ("llama2-7b", "llama2-70b")}
     assert md in capsys.readouterr().out
+
+
+def test_burst_synthetic_bench_builds_its_two_series():
+    """bench/policy_burst_synthetic.py's trace: 61 hourly days, the ``all`` series the
+    conversation series plus bursts at about 10 % of the hours (seed 1), nothing missing."""
+    from bench.policy_burst_synthetic import synthetic
+
+    s = synthetic()
+    conv, both = s["conversation"], s["all"]
+    assert len(conv) == len(both) == 61 * 24 and conv.window_s == 3600.0
+    extra = both.requests - conv.requests
+    assert np.all(extra >= 0) and 0.07 < np.mean(extra > 0) < 0.13 and extra.max() > 1800
+    assert conv.requests.max() < 300 and not both.missing.any()
