@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.policy_model_error import grid_args, write_results  # noqa: E402
 from policy.profiles import load_profile  # noqa: E402
-from policy.savings import run_savings  # noqa: E402
+from policy.savings import run_savings, worst_day  # noqa: E402
 from policy.scale import ScaleConfig  # noqa: E402
 from policy.traces import WindowSeries  # noqa: E402
 
@@ -53,10 +53,10 @@ def replay(s: WindowSeries, model: str, gpu: str, objective: str, span: float, K
     ev = run_savings(s, load_profile(f"{gpu}x8-{model}"), objective, K, config=cfg,
                      policies=("fixed-best", "reactive", "auto"))
     r = ev.result()
-    att = ev.runs["auto"].good_by_day / np.maximum(ev.runs["fixed-best"].good_by_day, 1e-12)
+    att = ev.attainment_by_day("auto")
     first = int(np.argmax(s.requests > 1000)) // 24 if np.any(s.requests > 1000) else len(att)
     return dict(trace=s.name, model=model, objective=objective, burst_span_h=span / 3600,
-                auto_worst_day=round(float(att.min()), 4),
+                auto_worst_day=round(worst_day(att), 4),
                 auto_days_below_after_first_burst=int(np.sum(att[first + 1:] < 0.99)),
                 auto_gpu_hours_fraction=round(float(r["gpu_hours_fraction"]["auto"]), 3),
                 reactive_worst_day=round(float(r["relative_attainment_min_day"]["reactive"]), 4),

@@ -75,6 +75,12 @@ class Run:
     switches_max_24h: int = 0  # the most in any 24 h (what a rolling budget counts)
 
 
+def worst_day(days: np.ndarray) -> float:
+    """The lowest of per-day relative attainments (NaN days skipped); 1.0 when none is left."""
+    days = np.asarray(days, dtype=float)
+    return float(np.nanmin(days)) if np.any(~np.isnan(days)) else 1.0
+
+
 @dataclass
 class SavingsEvaluation:
     trace: str
@@ -96,12 +102,16 @@ class SavingsEvaluation:
     def gpu_hours_fraction(self, name: str) -> float:
         return self.runs[name].gpu_s / max(self.runs["fixed-best"].gpu_s, 1e-12)
 
+    def attainment_by_day(self, name: str) -> np.ndarray:
+        """In-SLO requests relative to fixed-best, day by day (NaN: a day fixed-best served none in)."""
+        base, run = self.runs["fixed-best"].good_by_day, self.runs[name].good_by_day
+        return np.where(base > 0, run / np.where(base > 0, base, 1.0), np.nan)
+
     def relative_attainment(self, name: str) -> tuple[float, float]:
         """(whole trace, worst day) of in-SLO requests relative to fixed-best."""
         base, run = self.runs["fixed-best"], self.runs[name]
         whole = run.good_req / base.good_req if base.good_req > 0 else 1.0
-        days = [a / b for a, b in zip(run.good_by_day, base.good_by_day) if b > 0]
-        return whole, (min(days) if days else 1.0)
+        return whole, worst_day(self.attainment_by_day(name))
 
     def captured_share(self) -> float | None:
         if "oracle" not in self.runs or "auto" not in self.runs:

@@ -381,16 +381,14 @@ def read_trace(path: str | Path, fmt: str = "auto", window_s: float | None = Non
         fmt = "hourly"
     if column is not None and fmt != "hourly":
         raise ValueError(f"a count column is chosen only in an hourly trace, not in {fmt!r}")
-    if fmt == "hourly":
-        series = read_hourly(path, column)
-        return series.rebin(window_s) if window_s else series
     if fmt == "azure2023":
         return read_azure2023(path, window_s)
     if fmt == "mooncake":
         return read_mooncake(path, window_s)
     if fmt == "burstgpt":
         return read_burstgpt(path, window_s)
-    readers = {"canonical": read_canonical, "servegen": read_servegen}
+    readers = {"canonical": read_canonical, "servegen": read_servegen,
+               "hourly": lambda p: read_hourly(p, column)}
     if fmt not in readers:
         raise ValueError(f"unknown trace format {fmt!r}; one of {', '.join(FORMATS)}")
     series = readers[fmt](path)
