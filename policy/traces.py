@@ -47,6 +47,7 @@ HOURLY_KEYS = ("day", "hour", "date")  # the hourly format's non-count columns
 HOURLY_DEFAULT_COLUMNS = ("conversation", "all", "total")  # read in this order unless one is named
 LONG_SPAN_S = 2 * 86400.0  # per-request traces longer than this default to LONG_WINDOW_S windows
 LONG_WINDOW_S = 600.0
+MAX_WINDOWS = 2_000_000  # a trace of more windows (38 years of 10-min ones) is refused before it is built
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,14 @@ class WindowSeries:
         n = len(self.t_start_s)
         if n == 0:
             raise ValueError(f"trace {self.name!r} has no windows")
-        if not self.window_s > 0:
+        if not (self.window_s > 0 and math.isfinite(self.window_s)):
             raise ValueError("window length must be positive")
+        if n > MAX_WINDOWS:
+            raise ValueError(f"trace {self.name!r}: {n} windows, more than {MAX_WINDOWS}")
         if len(self.requests) != n or len(self.missing) != n:
             raise ValueError("t_start_s, requests and missing must have the same length")
+        if not np.all(np.isfinite(self.t_start_s)) or not np.all(np.isfinite(self.requests[~self.missing])):
+            raise ValueError(f"trace {self.name!r}: a window start or request count is not a finite number")
         if n > 1 and not np.allclose(np.diff(self.t_start_s), self.window_s):
             raise ValueError(f"trace {self.name!r}: windows are not consecutive {self.window_s} s windows")
         if np.any(self.requests[~self.missing] < 0):
@@ -121,9 +126,19 @@ def aggregate(name: str, times_s: np.ndarray, window_s: float, input_tokens: np.
     times_s = np.asarray(times_s, dtype=float)
     if len(times_s) == 0:
         raise ValueError(f"trace {name!r} has no requests")
+    if not (window_s > 0 and math.isfinite(window_s)):
+        raise ValueError(f"trace {name!r}: window length must be positive")
+    if not np.all(np.isfinite(times_s)):
+        raise ValueError(f"trace {name!r}: an arrival time is not a finite number")
     start = np.floor(times_s.min() / window_s) * window_s if origin_s is None else origin_s
+    if times_s.min() < start:
+        raise ValueError(f"trace {name!r}: an arrival at {times_s.min():g} s, before the trace's start")
+    n_span = (times_s.max() - start) / window_s
+    if n_span > MAX_WINDOWS:
+        raise ValueError(f"trace {name!r} spans {n_span:.3g} windows of {window_s:g} s, more than "
+                         f"{MAX_WINDOWS} (a wrong time unit, or pass a longer --window-s)")
     idx = np.floor((times_s - start) / window_s).astype(int)
-    n_full = int(np.floor((times_s.max() - start) / window_s))  # windows that ended before the last arrival
+    n_full = int(np.floor(n_span))  # windows that ended before the last arrival
     n = max(n_full, 1)
     keep = idx < n
     counts = np.bincount(idx[keep], minlength=n).astype(float)
@@ -131,6 +146,8 @@ def aggregate(name: str, times_s: np.ndarray, window_s: float, input_tokens: np.
     def sums(a: np.ndarray | None) -> np.ndarray | None:
         if a is None:
             return None
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"trace {name!r}: a token count is not a finite number")
         return np.bincount(idx[keep], weights=np.asarray(a, dtype=float)[keep], minlength=n)
 
     return WindowSeries(name=name, window_s=float(window_s), t_start_s=start + window_s * np.arange(n),
@@ -217,11 +234,13 @@ def read_azure2023(path: str | Path, window_s: float | None = None) -> WindowSer
             if not row:
                 continue
             try:
-                secs.append((_parse_stamp(row[i_t], path) - _EPOCH).total_seconds())
+                secs.append((_parse_stamp(row[i_t]) - _EPOCH).total_seconds())
                 tin.append(float(row[i_in]))
                 tout.append(float(row[i_out]))
             except IndexError:
                 raise ValueError(f"{path}: a row with too few columns ({str(row)[:80]})") from None
+            except ValueError as exc:
+                raise ValueError(f"{path}: line {rows.line_num}: {str(exc)[:120]} ({str(row)[:80]})") from None
     if not secs:
         raise ValueError(f"{path}: no requests")
     t = np.frombuffer(secs, dtype=float)
@@ -234,7 +253,7 @@ def read_azure2023(path: str | Path, window_s: float | None = None) -> WindowSer
 _EPOCH = dt.datetime(1970, 1, 1)
 
 
-def _parse_stamp(s: str, path: Path) -> dt.datetime:
+def _parse_stamp(s: str) -> dt.datetime:
     """A wall-clock stamp as naive UTC (naive stays as written): ``2023-11-16 18:17:03.9799600``,
     ``2024-05-10T00:00:01+00:00``, ``...Z``; any number of fractional digits."""
     text = s.strip()
@@ -243,7 +262,7 @@ def _parse_stamp(s: str, path: Path) -> dt.datetime:
     try:
         t = dt.datetime.fromisoformat(text)
     except ValueError:
-        raise ValueError(f"{path}: timestamp {s[:40]!r} is not ISO 8601") from None
+        raise ValueError(f"timestamp {s[:40]!r} is not ISO 8601") from None
     return t.astimezone(dt.timezone.utc).replace(tzinfo=None) if t.tzinfo else t
 
 
@@ -280,17 +299,22 @@ def _default_window(times_s: np.ndarray) -> float:
 
 def read_mooncake(path: str | Path, window_s: float | None = None) -> WindowSeries:
     path = Path(path)
-    t, tin, tout = [], [], []
+    t, tin, tout = array("d"), array("d"), array("d")
     with path.open() as f:
-        for line in f:
-            if line.strip():
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
                 d = json.loads(line)
                 t.append(float(d["timestamp"]) / 1e3)
                 tin.append(float(d.get("input_length", 0)))
                 tout.append(float(d.get("output_length", 0)))
-    times = np.array(t)
-    return aggregate(path.stem, times, window_s or _default_window(times), np.array(tin),
-                     np.array(tout), origin_s=0.0)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ValueError(f"{path}: line {i} is not a Mooncake request (a JSON object with a "
+                                 f"numeric timestamp): {line[:80]!r}") from None
+    times = np.frombuffer(t, dtype=float)
+    return aggregate(path.stem, times, window_s or _default_window(times), np.frombuffer(tin, dtype=float),
+                     np.frombuffer(tout, dtype=float), origin_s=0.0)
 
 
 def read_hourly(path: str | Path, column: str | None = None) -> WindowSeries:
@@ -326,6 +350,8 @@ def read_hourly(path: str | Path, column: str | None = None) -> WindowSeries:
     if not slots:
         raise ValueError(f"{path}: no rows")
     first, last = min(slots), max(slots)
+    if last - first + 1 > MAX_WINDOWS:
+        raise ValueError(f"{path}: days {first // 24} to {last // 24}, more than {MAX_WINDOWS} hours")
     req = np.array([slots.get(k, np.nan) for k in range(first, last + 1)])
     missing = np.isnan(req)
     weekday = None
@@ -381,15 +407,23 @@ def read_trace(path: str | Path, fmt: str = "auto", window_s: float | None = Non
         fmt = "hourly"
     if column is not None and fmt != "hourly":
         raise ValueError(f"a count column is chosen only in an hourly trace, not in {fmt!r}")
-    if fmt == "azure2023":
-        return read_azure2023(path, window_s)
-    if fmt == "mooncake":
-        return read_mooncake(path, window_s)
-    if fmt == "burstgpt":
-        return read_burstgpt(path, window_s)
-    readers = {"canonical": read_canonical, "servegen": read_servegen,
-               "hourly": lambda p: read_hourly(p, column)}
-    if fmt not in readers:
+    if window_s is not None and not (window_s > 0 and math.isfinite(window_s)):
+        raise ValueError(f"window length {window_s!r} must be a positive number of seconds")
+    per_request = {"azure2023": read_azure2023, "mooncake": read_mooncake, "burstgpt": read_burstgpt}
+    windowed = {"canonical": read_canonical, "servegen": read_servegen,
+                "hourly": lambda p: read_hourly(p, column)}
+    if fmt not in per_request and fmt not in windowed:
         raise ValueError(f"unknown trace format {fmt!r}; one of {', '.join(FORMATS)}")
-    series = readers[fmt](path)
-    return series.rebin(window_s) if window_s else series
+    try:
+        if fmt in per_request:
+            return per_request[fmt](path, window_s)
+        series = windowed[fmt](path)
+        return series.rebin(window_s) if window_s else series
+    except ValueError as exc:  # the readers' own messages, named by the file where they are not
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg[:300]}") from None
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError, csv.Error) as exc:
+        # a file that is not what its header or --format says: a missing field, a short row,
+        # a non-number, a malformed CSV line (NUL, a field past csv's limit)
+        raise ValueError(f"{path}: not a readable {fmt} trace ({type(exc).__name__}: "
+                         f"{str(exc)[:120]})") from None
