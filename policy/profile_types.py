@@ -59,7 +59,7 @@ class SLO:
     tpot_s: float
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
+        if not (0 < self.ttft_s < math.inf and 0 < self.tpot_s < math.inf):
             raise ValueError(f"SLO targets must be positive, got ttft={self.ttft_s} tpot={self.tpot_s}")
 
 
@@ -85,8 +85,11 @@ class TopologyCurve:
         loads = np.asarray(self.load_rps)
         if np.any(np.diff(loads) <= 0) or loads[0] < 0:
             raise ValueError(f"{self.topology}: load points must be >= 0 and strictly increasing")
-        if not self.capacity_rps > 0:
-            raise ValueError(f"{self.topology}: capacity must be positive")
+        if not 0 < self.capacity_rps < math.inf:
+            raise ValueError(f"{self.topology}: capacity must be a positive number")
+        lat = np.asarray((self.ttft_p50_s, self.ttft_p90_s, self.tpot_p50_s, self.tpot_p90_s), dtype=float)
+        if not (np.all(np.isfinite(lat)) and np.all(lat > 0)):
+            raise ValueError(f"{self.topology}: TTFT and TPOT must be positive numbers at every load point")
         if loads[-1] > self.capacity_rps * (1 + 1e-9):
             raise ValueError(f"{self.topology}: load point {loads[-1]} above capacity {self.capacity_rps}")
 
@@ -157,8 +160,11 @@ class Profile:
         names = [str(c.topology) for c in self.curves]
         if len(set(names)) != len(names):
             raise ValueError(f"profile {self.name!r} lists a topology twice: {names}")
-        if self.switch_downtime_s < 0:
-            raise ValueError("switch downtime must be >= 0")
+        if not 0 <= self.switch_downtime_s < math.inf or not all(
+                0 <= v < math.inf for v in self.pair_downtime_s.values()):
+            raise ValueError("switch downtimes must be numbers >= 0")
+        if not (self.input_tokens >= 1 and self.output_tokens >= 1):
+            raise ValueError("the reference request needs at least 1 input and 1 output token")
 
     @property
     def topologies(self) -> tuple[Topology, ...]:
@@ -266,5 +272,5 @@ class Profile:
                 pair_downtime_s=pairs,
                 params=dict(doc.get("params", {})),
             )
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:
             raise ValueError(f"not a remp profile document: missing or malformed {e}") from e

@@ -29,7 +29,10 @@ def load_profile(spec: str) -> Profile:
     if not path.is_file():
         raise ValueError(f"unknown profile {spec!r}: not a built-in ({', '.join(BUILTIN_PROFILES)}) "
                          "and not a file")
-    return Profile.from_json(json.loads(path.read_text()))
+    try:
+        return Profile.from_json(json.loads(path.read_text()))
+    except ValueError as exc:  # JSON, encoding or document errors, named by the file
+        raise ValueError(f"{path}: not a remp profile ({str(exc)[:200]})") from None
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

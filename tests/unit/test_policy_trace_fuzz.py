@@ -1,4 +1,4 @@
-"""A trace file's bytes never crash a replay: whatever a file of any supported format holds, the
+"""A trace file's (or profile file's) bytes never crash a replay: whatever a file of any supported format holds, the
 reader gives a window series that keeps its invariants (consecutive windows, finite non-negative
 counts, at most MAX_WINDOWS of them) or one ValueError that names the file, which the CLI prints
 as one line. Fuzzed with hypothesis: cells replaced by hostile values, rows dropped, doubled or
@@ -6,6 +6,8 @@ cut, junk lines inserted, into a valid file of each format."""
 
 from __future__ import annotations
 
+import copy
+import json
 import tempfile
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.traces import MAX_WINDOWS, read_trace
+from policy.profiles import load_profile
+from policy.savings import run_savings
+from policy.traces import MAX_WINDOWS, WindowSeries, read_trace
 
 VALID = {
     "azure.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,30\n"
@@ -89,3 +93,47 @@ def test_the_unmutated_files_read(name):
         path = Path(d) / name
         path.write_text(VALID[name])
         assert len(read_trace(path)) >= 1
+
+
+# ---- a profile file (an operator's measured profile) is the replay's other input ----
+
+_PROFILE = json.loads(Path(__file__).resolve().parents[2].joinpath(
+    "policy/profiles/tiny-cpu-2core.json").read_text())
+
+
+def _leaves(d, path=()):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from _leaves(v, (*path, i))
+    elif path[0] not in ("notes", "params"):
+        yield path
+
+
+LEAVES = list(_leaves(_PROFILE))
+VALUE = st.sampled_from([float("nan"), float("inf"), -1.0, 0.0, 1e308, 1e-300, "x", None, [], {}, 7])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(edits=st.lists(st.tuples(st.sampled_from(LEAVES), VALUE), min_size=1, max_size=2))
+def test_any_profile_file_loads_and_replays_or_fails_with_one_clear_error(edits):
+    doc = copy.deepcopy(_PROFILE)
+    for path, v in edits:
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = v
+    t = np.arange(24) * 600.0
+    series = WindowSeries("syn", 600.0, t, 600.0 * (2 + np.sin(t / 3600)), np.zeros(24, dtype=bool))
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "measured.json"
+        f.write_text(json.dumps(doc))
+        try:
+            prof = load_profile(str(f))
+        except ValueError as exc:
+            assert "measured.json" in str(exc)
+            return
+    r = run_savings(series, prof, "gpu-hours", 0.9).result()
+    assert all(np.isfinite(v) for m in ("gpu_hours_fraction", "relative_attainment_min_day") for v in r[m].values())
