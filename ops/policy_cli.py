@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="default 1800 (gpu-hours, latency) / 1800 (goodput)")
     ev.add_argument("--max-switches-per-day", type=int, default=None, help="default 12 / 6 (goodput)")
     ev.add_argument("--horizon-s", type=float, default=None, help="default 10800")
+    ev.add_argument("--burst-rps", type=float, default=0.0,
+                    help="gpu-hours / latency: auto sizes for a burst of this many req/s (of the "
+                    "replayed, load-scaled traffic) from the first window (default 0)")
+    ev.add_argument("--min-gpus", type=int, default=0, help="gpu-hours: auto never holds fewer GPUs")
     ev.add_argument("--json", action="store_true", help="last line: one JSON object")
     ev.add_argument("--png", metavar="FILE", default=None,
                     help="gpu-hours, latency: also draw one day to FILE (PNG): load, the topology "
@@ -147,6 +151,9 @@ def _serve_parser(sub) -> None:
                     "latency: the whole host, lowest TPOT; goodput: the older SLO-goodput core")
     sv.add_argument("--loss-budget", type=float, help="gpu-hours: expected share of the whole "
                     "host's in-SLO requests a choice may lose (default 0.0095)")
+    sv.add_argument("--burst-rps", type=float, help="gpu-hours / latency: a burst of this many "
+                    "req/s may come at any time (batch jobs); sized for from the start (default 0)")
+    sv.add_argument("--min-gpus", type=int, help="gpu-hours: never fewer GPUs than this (default 0)")
     sv.add_argument("--tick-seconds", type=float)
     sv.add_argument("--window-seconds", type=float)
     sv.add_argument("--horizon-seconds", type=float)
@@ -332,7 +339,8 @@ def cmd_savings(args) -> int:
         cfg = ScaleConfig(objective=args.objective,
                           min_dwell_s=base.min_dwell_s if args.min_dwell_s is None else args.min_dwell_s,
                           max_switches_per_day=args.max_switches_per_day or base.max_switches_per_day,
-                          horizon_s=args.horizon_s or base.horizon_s)
+                          horizon_s=args.horizon_s or base.horizon_s,
+                          burst_rps=args.burst_rps, min_gpus=args.min_gpus)
         ev = run_savings(series, profile, args.objective, args.load_scale, slo, cfg)
         if args.png:
             from policy.savings_plot import render_png

@@ -60,6 +60,12 @@ class PolicySettings(BaseSettings):
     loss_budget: float = Field(ScaleConfig.loss_budget, gt=0, lt=1, description="gpu-hours: "
                                "the expected share of the whole host's in-SLO requests a "
                                "choice may lose")
+    burst_rps: float = Field(0.0, ge=0, allow_inf_nan=False, description="gpu-hours / latency: "
+                             "a burst of this many req/s may come at any time (batch jobs the "
+                             "traffic so far need not show); sized for from the first window, "
+                             "as a burst the policy has seen is for 2 days (0: none)")
+    min_gpus: int = Field(0, ge=0, le=4096, description="gpu-hours: never fewer GPUs than this "
+                          "(0: no floor)")
     hysteresis: float = Field(PolicyConfig.hysteresis, ge=0, description="goodput only")
     dwell_override: float = Field(PolicyConfig.dwell_override, gt=0, description="goodput only")
     retry_backoff_seconds: float = Field(30.0, ge=0, description="after a Reconfigure that did not "
@@ -106,4 +112,5 @@ class PolicySettings(BaseSettings):
                            else self.min_dwell_seconds,
                            max_switches_per_day=d.max_switches_per_day
                            if not self.max_switches_per_day else self.max_switches_per_day,
-                           loss_budget=self.loss_budget)
+                           loss_budget=self.loss_budget, burst_rps=self.burst_rps,
+                           min_gpus=self.min_gpus)

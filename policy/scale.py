@@ -29,7 +29,9 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   the last ``burst_span_s`` (2 days) held a burst — a window above (1 + ``bet_growth_max``) x
   the peak of the hour before it — the bet is at least that peak plus the largest such rise in
   req/s (``observed_burst``): batch-job bursts on a quiet service are absolute, not a ratio of
-  the quiet hour, and come back after a burst-free day.
+  the quiet hour, and come back after a burst-free day. An operator's ``burst_rps`` (``--burst-rps``)
+  counts as such a burst from the first window (the larger of the two counts); ``min_gpus``
+  (``--min-gpus``) keeps every choice at that many GPUs or more.
 - **Scale up at once** (no dwell, never held by the budget while a switch is left) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
   day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
@@ -131,6 +133,12 @@ class ScaleConfig:
     # batch-job bursts (a rise no ratio of a quiet hour foresees) is bet to take one again, for
     # this long after the last (0: no burst memory)
     burst_span_s: float = 2 * 86400.0
+    # the operator's own knowledge, for what no replay of the past foresees (0: none):
+    # a burst of this many req/s may come at any time (the bet and the scale-down's cover include
+    # it from the first window, as if the burst memory had seen one), and never fewer GPUs than
+    # min_gpus (Kubernetes' minReplicas)
+    burst_rps: float = 0.0
+    min_gpus: int = 0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -141,6 +149,8 @@ class ScaleConfig:
             raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth")
         if not self.burst_span_s >= 0:
             raise ValueError("burst_span_s >= 0")
+        if not (0 <= self.burst_rps < math.inf and self.min_gpus >= 0):
+            raise ValueError("burst_rps: a number >= 0; min_gpus >= 0")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
             raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
         if not self.down_reserve >= 1:
@@ -308,6 +318,10 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     W = band.window_s
     H = len(band.upper)
     last = 0.0 if math.isnan(last_rate) else float(last_rate)
+    if cfg.burst_rps > 0:  # the operator's declared burst, or a larger one observed
+        burst = cfg.burst_rps if math.isnan(burst) else max(burst, cfg.burst_rps)
+    # the topologies the operator allows (min_gpus); the largest always is one
+    allowed = [t for t in table.order if t.world_size >= cfg.min_gpus] or [table.fixed_best]
     up_n = min(cfg.windows(cfg.up_lookahead_s, W), H)
     cover_n = min(cfg.windows(cfg.down_cover_s, W), H)
     hz_n = min(cfg.windows(cfg.horizon_s, W), H)
@@ -360,15 +374,15 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                             up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, last_need,
-                            growth, burst)
+                            growth, burst, allowed)
 
     # gpu-hours, sizing "band"
-    if n_now > cap:
-        return _scale_up(out, table, cur, table.cheapest_covering(n_plan), up_n, W,
+    if n_now > cap or cur not in allowed:
+        return _scale_up(out, table, cur, table.cheapest_covering(n_plan, allowed), up_n, W,
                          f"load {n_now:.3g} req/s with headroom",
                          f"need {n_now:.3g} req/s > {cur}'s SLO capacity {cap:.3g}", n_plan, left,
                          last_need)
-    tgt = table.cheapest_covering(n_down)
+    tgt = table.cheapest_covering(n_down, allowed)
     if tgt.world_size >= cur.world_size:
         return out(cur, "stay", f"{cur} is the fewest GPUs covering {n_down:.3g} req/s", 0.0, "gpu-hours",
                    cover_n, n_down)
@@ -496,7 +510,7 @@ def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.
 
 def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                  up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput,
-                 last_need, growth, burst):  # noqa: ANN001 - see decide_scale (last_need: _last_need)
+                 last_need, growth, burst, allowed):  # noqa: ANN001 - see decide_scale (last_need: _last_need)
     """gpu-hours with sizing "risk" (see the module docstring)."""
     W = band.window_s
     cur = state.current
@@ -535,11 +549,11 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         return max(gb_peak - float(table.scorer.goodput_rps(t, peak)), 0.0) * W
 
     def qualifies(t: Topology, loss: dict) -> bool:
-        return (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps
+        return (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps and t.world_size >= cfg.min_gpus
                 and bet(t) <= cfg.budget_share * error_budget)
 
     def cheapest(loss: dict) -> Topology:
-        for t in table.order:
+        for t in allowed:
             if qualifies(t, loss):
                 return t
         return max(table.order, key=lambda t: table.slo_cap[t])
@@ -547,7 +561,7 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
     now = ok(1)
     cur_bet = bet(cur)
     up = (now.get(cur, math.inf) > eps or table.slo_cap.get(cur, 0.0) < cfg.floor_rps
-          or cur_bet > cfg.budget_share * error_budget)
+          or cur_bet > cfg.budget_share * error_budget or cur not in allowed)
     if up and left <= 0 and table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and cur_bet <= error_budget:
         # no switch left in the rolling day: a scale-up goes over the budget only when the day's
         # bar is at stake (one window at the bet would spend the whole SLO error budget left), not
@@ -563,8 +577,9 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
                          last_need)
     tgt = cheapest(now)
     if tgt.world_size >= cur.world_size:
-        why = (f"; a burst of {burst:.3g} req/s in the last {cfg.burst_span_s / 3600:g} h is bet to come again "
-               f"(one window at {peak:.3g} req/s)" if not math.isnan(burst) and burst > 0 else "")
+        seen = (f"the declared burst of {burst:.3g} req/s (--burst-rps) is bet to come" if burst == cfg.burst_rps
+                else f"a burst of {burst:.3g} req/s in the last {cfg.burst_span_s / 3600:g} h is bet to come again")
+        why = f"; {seen} (one window at {peak:.3g} req/s)" if not math.isnan(burst) and burst > 0 else ""
         return out(cur, "stay", f"{cur} is the fewest GPUs within the loss budget {eps:.2%} and the SLO error "
                    f"budget's bet{why}", 0.0, "gpu-hours", 1, n_now)
     need_n = max(cfg.recent_windows, cfg.windows(cfg.recent_s, W))

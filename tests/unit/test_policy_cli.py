@@ -40,3 +40,18 @@ def test_cli_replays_the_chosen_column_of_an_hourly_trace(tmp_path, capsys):
     write_canonical(WindowSeries("x", 3600.0, t * 3600.0, conv.astype(float), np.zeros(48, bool)), tmp_path / "c.csv")
     assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--column", "api"]) == 2
     assert "only in an hourly trace" in capsys.readouterr().err
+
+
+def test_cli_replays_with_the_operators_floor_and_declared_burst(tmp_path, capsys):
+    """``--min-gpus`` and ``--burst-rps`` reach auto in the replay (``remp policy serve`` takes
+    the same two); a bad value is a one-line error."""
+    t = np.arange(48)
+    conv = (100 * (1.5 + np.sin(2 * np.pi * t / 24))).astype(float)
+    write_canonical(WindowSeries("x", 3600.0, t * 3600.0, conv, np.zeros(48, bool)), tmp_path / "c.csv")
+    frac = {}
+    for extra in ([], ["--min-gpus", "8"], ["--burst-rps", "1000"]):
+        assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--load-scale", "0.6", "--json", *extra]) == 0
+        frac[" ".join(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gpu_hours_fraction"]["auto"]
+    assert frac[""] < 1.0 and frac["--min-gpus 8"] == 1.0 and frac["--burst-rps 1000"] == 1.0
+    assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--burst-rps", "-1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -14,6 +14,7 @@ from policy.config import PolicySettings
 from policy.perfmodel import build_profile
 import policy.perfmodel as perfmodel
 from policy.profiles import load_profile
+from policy.savings import capacity_table
 from policy.scale import ScaleConfig
 from policy.traces import WindowSeries, write_canonical
 
@@ -128,6 +129,13 @@ def test_stress_bench_replays_every_variant_and_writes_its_table(tmp_path, monke
     assert "| rev | 2/2 |" in md and "burst: every day after the day of the first burst" in md
     assert {(r["variant"], r["model"]) for r in doc["runs"]} == {
         (v, m) for v in stress.VARIANTS for m in ("llama2-7b", "llama2-70b")}
+    # the burst once more, declared by the operator: the bursts' size in the replay's req/s
+    assert "burst, declared (`--burst-rps` the bursts' size)" in md
+    assert {(r["model"], r["K"]) for r in doc["declared"]} == {(m, 0.6) for m in ("llama2-7b", "llama2-70b")}
+    prof = load_profile("h100x8-llama2-7b")
+    tb = capacity_table(prof, prof.default_slo, 0.99)
+    rps = stress.declared_burst_rps(s, burst, tb, 0.6)
+    assert rps == pytest.approx(3 * s.requests.max() / s.window_s * 0.6 * tb.best_capacity / burst.rates.max())
     assert md in capsys.readouterr().out
 
 

@@ -540,6 +540,13 @@ def test_settings_objective_defaults():
         PolicySettings(controller="127.0.0.1:1", objective="cheapest")
     with pytest.raises(ValueError):
         PolicySettings(controller="127.0.0.1:1", max_switches_per_day=0)
+    # the operator's knowledge: a declared burst and a GPU floor reach the core
+    op = PolicySettings(controller="127.0.0.1:1", burst_rps=12.5, min_gpus=4).scale_config()
+    assert (op.burst_rps, op.min_gpus) == (12.5, 4)
+    assert (sc.burst_rps, sc.min_gpus) == (0.0, 0)
+    for bad in ({"burst_rps": float("inf")}, {"burst_rps": -1}, {"min_gpus": -1}):
+        with pytest.raises(ValueError):
+            PolicySettings(controller="127.0.0.1:1", **bad)
 
 
 def test_record_json_round_trip_keeps_old_documents_readable():

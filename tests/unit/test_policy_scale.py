@@ -1,6 +1,7 @@
 """Objectives and scale decisions (policy/scale.py) and the savings replay (policy/savings.py)."""
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -591,3 +592,39 @@ def test_replay_keeps_the_day_on_recurring_bursts_after_the_first(table):
 
     assert worst_after_first(ScaleConfig()) >= 0.99
     assert worst_after_first(ScaleConfig(burst_span_s=0.0)) < 0.99
+
+
+def test_a_declared_burst_keeps_the_first_bursts_day_and_min_gpus_is_a_floor():
+    """What no replay of the past foresees, the operator may know: --burst-rps. Hourly traffic
+    with bursts of 2 x its peak at 5 % of the hours: the first burst (day 1) catches auto on a
+    small topology (day < 99 %); with the burst declared every day keeps the bar and auto still
+    saves. --min-gpus: never fewer GPUs than that, whatever the load."""
+    rng = np.random.default_rng(2)
+    n = 6 * 24
+    h = np.arange(n) % 24
+    base = 200 * (0.1 + np.exp(-((h - 14) / 4.0) ** 2))
+    req = rng.poisson(base) + np.where(rng.random(n) < 0.05, 400, 0)
+    s = WindowSeries("bursty", 3600.0, np.arange(n) * 3600.0, req.astype(float), np.zeros(n, bool))
+    prof = load_profile("h100x8-llama2-7b")
+    ev = run_savings(s, prof, "gpu-hours", 0.9, policies=("fixed-best", "auto"))
+    assert ev.attainment_by_day("auto")[1] < 0.99  # the first burst's day
+    declared = ScaleConfig(burst_rps=ev.scale * 400 / 3600)  # the burst in the replay's req/s
+    ev2 = run_savings(s, prof, "gpu-hours", 0.9, config=declared, policies=("fixed-best", "auto"))
+    assert ev2.attainment_by_day("auto").min() >= 0.99
+    assert ev2.gpu_hours_fraction("auto") < 0.95
+    stays = [d for d in ev2.runs["auto"].decisions if d.reason == "stay" and "declared burst" in d.text]
+    assert stays, "a stay held by the declared burst says so"
+
+    floor = run_savings(s, prof, "gpu-hours", 0.9, config=ScaleConfig(min_gpus=4), policies=("fixed-best", "auto"))
+    assert min(t.world_size for t in floor.runs["auto"].topologies) == 4
+    assert min(t.world_size for t in ev.runs["auto"].topologies) < 4
+    # a node below the floor (the operator raised it) is scaled up at once
+    tb = CapacityTable(prof, prof.default_slo, 0.99)
+    small = min(tb.order, key=lambda t: t.world_size)
+    band = Band(3600.0, np.array([0.1]), np.array([0.1]), np.array([[0.1]]))
+    d = decide_scale(PolicyState(small, 0.0), 7200.0, 0.1, band, tb, ScaleConfig(min_gpus=4), 0.1)
+    assert d.switch and d.reason == "scale-up" and d.recommended.world_size >= 4
+    with pytest.raises(ValueError):
+        ScaleConfig(burst_rps=math.inf)
+    with pytest.raises(ValueError):
+        ScaleConfig(min_gpus=-1)
