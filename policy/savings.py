@@ -49,7 +49,7 @@ from policy.calibrate import (CalibrationConfig, Observation, calibrated_profile
 from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
-from policy.scale import (Band, CapacityTable, ScaleConfig, after, decide_scale, observed_burst, observed_growth,
+from policy.scale import (Band, CapacityTable, ScaleConfig, after, burst_rises, decide_scale, observed_growth,
                           weighted_quantile)
 from policy.traces import WindowSeries
 from remp.topology import Topology
@@ -586,6 +586,8 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     day_n = max(1, int(round(DAY_S / W)))
     day_of = ((series.t_start_s - t0) // DAY_S).astype(int)
     lost = np.zeros(n)
+    burst_n = cfg.windows(cfg.burst_span_s, W)
+    rises = burst_rises(rates, peak_n, 1.0 + cfg.bet_growth_max)
     for w in range(n):
         if w > 0 and cal is not None:
             # window w - 1 as the host served it: the TPOT it showed, the slowdown it implies
@@ -636,8 +638,11 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
             grow = observed_growth(day, peak_n, cfg.bet_growth_quantile)
-            burst = (observed_burst(rates[max(0, w - cfg.windows(cfg.burst_span_s, W)):w], peak_n,
-                                    1.0 + cfg.bet_growth_max) if cfg.burst_span_s > 0 else math.nan)
+            burst = math.nan  # observed_burst of the span before w, from the rises computed once
+            lo_b = max(0, w - burst_n)
+            if cfg.burst_span_s > 0 and w - lo_b >= peak_n + 6:
+                seg = rises[lo_b:w - peak_n]
+                burst = float(seg.max()) if seg.size else 0.0
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
                              max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk,
                              grow, burst)

@@ -480,20 +480,31 @@ def observed_growth(rates: np.ndarray, peak_n: int, quantile: float) -> float:
     return float(np.quantile(x[peak_n:][ok] / prev[ok] - 1.0, quantile))
 
 
-def observed_burst(rates: np.ndarray, peak_n: int, ratio: float) -> float:
-    """The largest burst in ``rates`` (oldest first, NaN = missing): how far (req/s) a window's
-    rate rose above the highest of the ``peak_n`` windows before it, over the windows where it
-    rose above ``ratio`` x that peak and those windows were all observed (a rise after a data
-    gap is traffic coming back, not a burst); 0 when none, NaN with fewer than 6 windows."""
+def burst_rises(rates: np.ndarray, peak_n: int, ratio: float) -> np.ndarray:
+    """Per window of ``rates`` (oldest first, NaN = missing) from the ``peak_n``-th on (entry j is
+    window j + peak_n): how far (req/s) it rose above the highest of the ``peak_n`` windows before
+    it, where it rose above ``ratio`` x that peak and those windows were all observed (a rise
+    after a data gap is traffic coming back, not a burst); 0 elsewhere."""
     x = np.asarray(rates, dtype=float)
-    if len(x) < peak_n + 6 or peak_n < 1:
-        return math.nan
+    if len(x) <= peak_n or peak_n < 1:
+        return np.zeros(0)
     hours = np.lib.stride_tricks.sliding_window_view(x[:-1], peak_n)
     seen = ~np.isnan(hours).any(axis=1)
     before = np.where(seen, np.nan_to_num(hours).max(axis=1), np.inf)
     cur = x[peak_n:]
     burst = seen & ~np.isnan(cur) & (cur > ratio * np.maximum(before, 0.0))
-    return float((cur[burst] - before[burst]).max()) if burst.any() else 0.0
+    return np.where(burst, cur - np.where(burst, before, 0.0), 0.0)
+
+
+def observed_burst(rates: np.ndarray, peak_n: int, ratio: float) -> float:
+    """The largest burst in ``rates`` (``burst_rises``): 0 when none, NaN with fewer than
+    ``peak_n`` + 6 windows. A replay computes the rises once and takes this maximum over each
+    window's span (``policy.savings.auto_topologies``), the live service calls this."""
+    x = np.asarray(rates, dtype=float)
+    if len(x) < peak_n + 6 or peak_n < 1:
+        return math.nan
+    r = burst_rises(x, peak_n, ratio)
+    return float(r.max()) if r.size else 0.0
 
 
 def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:

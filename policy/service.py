@@ -305,8 +305,11 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
             seasonal = history[i].rate
     budget = (error_budget(table, history, W, now_s, cfg.attainment_bar)
               if cfg.sizing == "risk" else math.inf)
-    # the last 24 h, window after window as the aggregator emitted them (NaN = missing)
-    last_day = np.array([w.rate for w in history if w.t0 >= now_s - DAY_S - 1e-9], dtype=float)
+    # every window kept (the burst memory's span, or the last 24 h) and, of them, the last 24 h,
+    # window after window as the aggregator emitted them (NaN = missing)
+    t_all = np.array([w.t0 for w in history], dtype=float)
+    r_all = np.array([w.rate for w in history], dtype=float)
+    last_day = r_all[t_all >= now_s - DAY_S - 1e-9]
     day = last_day[~np.isnan(last_day)]
     day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
     whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
@@ -315,8 +318,7 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
     growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile)
     burst = math.nan
     if cfg.burst_span_s > 0:
-        span = np.array([w.rate for w in history if w.t0 >= now_s - cfg.burst_span_s - 1e-9], dtype=float)
-        burst = observed_burst(span, peak_n, 1.0 + cfg.bet_growth_max)
+        burst = observed_burst(r_all[t_all >= now_s - cfg.burst_span_s - 1e-9], peak_n, 1.0 + cfg.bet_growth_max)
     return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth, burst)
 
 
