@@ -572,16 +572,22 @@ def test_latency_objective_keeps_room_for_a_remembered_burst(table):
     assert kept.recommended == cur or table.slo_cap[kept.recommended] >= 1.0 + burst, kept.text
 
 
+def _bursty_hourly(days: int, seed: int, share: float, size: float) -> tuple[WindowSeries, np.ndarray]:
+    """Hourly diurnal traffic (peak ~220 requests/h) plus batch bursts of ``size`` requests in a
+    ``share`` of the hours at random (``seed``)."""
+    rng = np.random.default_rng(seed)
+    n = days * 24
+    h = np.arange(n) % 24
+    base = 200 * (0.1 + np.exp(-((h - 14) / 4.0) ** 2))
+    req = rng.poisson(base) + np.where(rng.random(n) < share, size, 0)
+    return WindowSeries("bursty", 3600.0, np.arange(n) * 3600.0, req.astype(float), np.zeros(n, bool)), req
+
+
 def test_replay_keeps_the_day_on_recurring_bursts_after_the_first(table):
     """Hourly traffic with batch bursts 20 x its own peak at random hours (10 % of them): with the
     burst memory auto keeps every day after the first burst >= 99 % (it stays sized for bursts);
     without it, a burst after a burst-free day catches it on a small topology."""
-    rng = np.random.default_rng(3)
-    n = 20 * 24
-    h = np.arange(n) % 24
-    base = 200 * (0.1 + np.exp(-((h - 14) / 4.0) ** 2))
-    req = rng.poisson(base) + np.where(rng.random(n) < 0.1, 4000, 0)
-    s = WindowSeries("bursty", 3600.0, np.arange(n) * 3600.0, req.astype(float), np.zeros(n, bool))
+    s, req = _bursty_hourly(days=20, seed=3, share=0.1, size=4000)
     prof = load_profile("h100x8-llama2-70b")
     first = int(np.argmax(req > 1000)) // 24
 
@@ -599,12 +605,7 @@ def test_a_declared_burst_keeps_the_first_bursts_day_and_min_gpus_is_a_floor():
     with bursts of 2 x its peak at 5 % of the hours: the first burst (day 1) catches auto on a
     small topology (day < 99 %); with the burst declared every day keeps the bar and auto still
     saves. --min-gpus: never fewer GPUs than that, whatever the load."""
-    rng = np.random.default_rng(2)
-    n = 6 * 24
-    h = np.arange(n) % 24
-    base = 200 * (0.1 + np.exp(-((h - 14) / 4.0) ** 2))
-    req = rng.poisson(base) + np.where(rng.random(n) < 0.05, 400, 0)
-    s = WindowSeries("bursty", 3600.0, np.arange(n) * 3600.0, req.astype(float), np.zeros(n, bool))
+    s, _ = _bursty_hourly(days=6, seed=2, share=0.05, size=400)
     prof = load_profile("h100x8-llama2-7b")
     ev = run_savings(s, prof, "gpu-hours", 0.9, policies=("fixed-best", "auto"))
     assert ev.attainment_by_day("auto")[1] < 0.99  # the first burst's day
