@@ -293,12 +293,16 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def _savings_table(ev) -> str:  # noqa: ANN001 - SavingsEvaluation
+def _savings_table(ev, cfg=None) -> str:  # noqa: ANN001 - SavingsEvaluation, ScaleConfig
     r = ev.result()
     unit = "GPU-h frac" if ev.objective == "gpu-hours" else "GPU-h frac"
+    told = [] if cfg is None else [f"a declared burst of {cfg.burst_rps:g} req/s"] * (cfg.burst_rps > 0) + [
+        f"at least {cfg.min_gpus} GPUs"] * (cfg.min_gpus > 0)
     lines = [f"trace {ev.trace}: {ev.windows} windows of {ev.window_s:g} s ({ev.days:.2f} days); profile "
              f"{ev.profile}; objective {ev.objective}; load scale K={ev.load_scale:g} (peak = K x "
-             f"{ev.fixed_best}'s SLO capacity); SLO TTFT {ev.slo.ttft_s * 1e3:g} ms, TPOT {ev.slo.tpot_s * 1e3:g} ms",
+             f"{ev.fixed_best}'s SLO capacity; the trace's rates x {ev.scale:.4g}); SLO TTFT "
+             f"{ev.slo.ttft_s * 1e3:g} ms, TPOT {ev.slo.tpot_s * 1e3:g} ms"
+             + (f"; auto told: {', '.join(told)}" if told else ""),
              f"{'policy':15s} {unit:>10s} {'rel.att mean':>12s} {'worst day':>10s} {'switches/day':>12s} "
              f"{'busiest day':>11s} {'TPOT ms':>8s} {'TTFT ms':>8s}"]
     for n in r["gpu_hours_fraction"]:
@@ -348,7 +352,7 @@ def cmd_savings(args) -> int:
             v = render_png(ev, args.day, args.png)
     except (ValueError, OSError) as e:
         return _fail(str(e))
-    print(json.dumps(ev.result()) if args.json else _savings_table(ev), flush=True)
+    print(json.dumps(ev.result()) if args.json else _savings_table(ev, cfg), flush=True)
     if args.png:
         # on stderr: with --json the last stdout line stays the one JSON object
         print(f"wrote {args.png}: day {v.day} of {v.days}, auto {v.gpu_hours_fraction['auto']:.3f} / "

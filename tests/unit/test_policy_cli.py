@@ -53,5 +53,10 @@ def test_cli_replays_with_the_operators_floor_and_declared_burst(tmp_path, capsy
         assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--load-scale", "0.6", "--json", *extra]) == 0
         frac[" ".join(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gpu_hours_fraction"]["auto"]
     assert frac[""] < 1.0 and frac["--min-gpus 8"] == 1.0 and frac["--burst-rps 1000"] == 1.0
+    # the text report says what auto was told, and the factor that turns the trace's rates into
+    # the replay's (--burst-rps is in the replay's req/s)
+    assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--burst-rps", "2.5", "--min-gpus", "2"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "the trace's rates x " in head and "auto told: a declared burst of 2.5 req/s, at least 2 GPUs" in head
     assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--burst-rps", "-1"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
