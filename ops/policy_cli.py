@@ -296,8 +296,11 @@ def cmd_profile(args) -> int:
 def _savings_table(ev, cfg=None) -> str:  # noqa: ANN001 - SavingsEvaluation, ScaleConfig
     r = ev.result()
     unit = "GPU-h frac" if ev.objective == "gpu-hours" else "GPU-h frac"
-    told = [] if cfg is None else [f"a declared burst of {cfg.burst_rps:g} req/s"] * (cfg.burst_rps > 0) + [
-        f"at least {cfg.min_gpus} GPUs"] * (cfg.min_gpus > 0)
+    told = []
+    if cfg is not None and cfg.burst_rps > 0:
+        told.append(f"a declared burst of {cfg.burst_rps:g} req/s")
+    if cfg is not None and cfg.min_gpus > 0:
+        told.append(f"at least {cfg.min_gpus} GPUs")
     lines = [f"trace {ev.trace}: {ev.windows} windows of {ev.window_s:g} s ({ev.days:.2f} days); profile "
              f"{ev.profile}; objective {ev.objective}; load scale K={ev.load_scale:g} (peak = K x "
              f"{ev.fixed_best}'s SLO capacity; the trace's rates x {ev.scale:.4g}); SLO TTFT "

@@ -50,7 +50,7 @@ from policy.decide import DAY_S, PolicyState
 from policy.forecast import Chooser
 from policy.profiles import SLO, Profile
 from policy.scale import (Band, CapacityTable, ScaleConfig, after, burst_rises, decide_scale, observed_growth,
-                          weighted_quantile)
+                          span_burst, weighted_quantile)
 from policy.traces import WindowSeries
 from remp.topology import Topology
 
@@ -638,11 +638,9 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
             grow = observed_growth(day, peak_n, cfg.bet_growth_quantile)
-            burst = math.nan  # observed_burst of the span before w, from the rises computed once
-            lo_b = max(0, w - burst_n)
-            if cfg.burst_span_s > 0 and w - lo_b >= peak_n + 6:
-                seg = rises[lo_b:w - peak_n]
-                burst = float(seg.max()) if seg.size else 0.0
+            lo_b = max(0, w - burst_n)  # observed_burst of the span before w, from the rises computed once
+            burst = (span_burst(rises[lo_b:max(lo_b, w - peak_n)], w - lo_b, peak_n)
+                     if cfg.burst_span_s > 0 else math.nan)
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
                              max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk,
                              grow, burst)

@@ -498,13 +498,18 @@ def burst_rises(rates: np.ndarray, peak_n: int, ratio: float) -> np.ndarray:
 
 def observed_burst(rates: np.ndarray, peak_n: int, ratio: float) -> float:
     """The largest burst in ``rates`` (``burst_rises``): 0 when none, NaN with fewer than
-    ``peak_n`` + 6 windows. A replay computes the rises once and takes this maximum over each
-    window's span (``policy.savings.auto_topologies``), the live service calls this."""
+    ``peak_n`` + 6 windows. The live service calls this; a replay computes the rises once and
+    takes ``span_burst`` of each window's span."""
     x = np.asarray(rates, dtype=float)
-    if len(x) < peak_n + 6 or peak_n < 1:
+    return span_burst(burst_rises(x, peak_n, ratio), len(x), peak_n)
+
+
+def span_burst(rises: np.ndarray, windows: int, peak_n: int) -> float:
+    """``observed_burst`` of a span of ``windows`` windows from its rises (``burst_rises`` of the
+    span, or the same entries sliced from a longer series' rises)."""
+    if windows < peak_n + 6 or peak_n < 1:
         return math.nan
-    r = burst_rises(x, peak_n, ratio)
-    return float(r.max()) if r.size else 0.0
+    return float(rises.max()) if rises.size else 0.0
 
 
 def _mixture(band: Band, n: int, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -560,7 +565,7 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
         return max(gb_peak - float(table.scorer.goodput_rps(t, peak)), 0.0) * W
 
     def qualifies(t: Topology, loss: dict) -> bool:
-        return (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps and t.world_size >= cfg.min_gpus
+        return (loss[t] <= eps and table.slo_cap[t] >= cfg.floor_rps
                 and bet(t) <= cfg.budget_share * error_budget)
 
     def cheapest(loss: dict) -> Topology:

@@ -14,7 +14,7 @@ from policy.config import PolicySettings
 from policy.perfmodel import build_profile
 import policy.perfmodel as perfmodel
 from policy.profiles import load_profile
-from policy.savings import capacity_table
+from policy.savings import capacity_table, run_savings
 from policy.scale import ScaleConfig
 from policy.traces import WindowSeries, write_canonical
 
@@ -134,7 +134,7 @@ def test_stress_bench_replays_every_variant_and_writes_its_table(tmp_path, monke
     assert {(r["model"], r["K"]) for r in doc["declared"]} == {(m, 0.6) for m in ("llama2-7b", "llama2-70b")}
     prof = load_profile("h100x8-llama2-7b")
     tb = capacity_table(prof, prof.default_slo, 0.99)
-    rps = stress.declared_burst_rps(s, burst, tb, 0.6)
+    rps = stress.declared_burst_rps(s, burst, run_savings(burst, prof, "gpu-hours", 0.6, policies=("fixed-best",)).scale)
     assert rps == pytest.approx(3 * s.requests.max() / s.window_s * 0.6 * tb.best_capacity / burst.rates.max())
     assert md in capsys.readouterr().out
 
