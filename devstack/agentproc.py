@@ -403,7 +403,8 @@ async def switch_under_load(agent: AgentProcess, tp: int, pp: int, prompts: list
     agent needs REMP_AGENT_ENABLE_FAULT_INJECTION=1): on a 2-core machine the client sees SSE
     chunks in bursts, seconds late, and a request to the agent can take seconds to arrive while
     the engine decodes — so the switch is requested first, and the streams start once the agent
-    has accepted it (its gate then waits for them).
+    has accepted it (its gate holds the idle engine's scheduler until they have all arrived,
+    then lets them decode together and waits for them).
     Returns (outputs, late outputs, phase names, record)."""
     kw.setdefault("start_when_running", len(prompts))
     sid = kw.setdefault("switch_id", f"sul-{os.getpid()}-{time.monotonic_ns()}")

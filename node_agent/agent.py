@@ -134,31 +134,49 @@ class NodeAgent:
                 f"(valid targets: {format_topologies(cands)})")
 
     async def _wait_running(self, n: int, timeout: float = 120.0) -> None:
-        """Test-only start gate: the engine's own view of 'n requests are decoding'."""
+        """Test-only start gate: the engine's own view of 'n requests are decoding'.
+
+        On an idle engine the gate first holds the scheduler (the switch's own pause: arrivals
+        queue as waiting) until the n requests have arrived, then lets them start together. A
+        loaded 2-core box can deliver a client's concurrent streams seconds apart; without the
+        hold, three 1000-token requests once ran one after another and the switch found none
+        in flight (CI, stop 37)."""
         deadline = time.monotonic() + timeout
-        polls, most, seen, idle_at_start = 0, 0, {}, False
-        while time.monotonic() < deadline:
-            if self.current is not None and self.current.abort_reason is not None:
-                return
-            info = await self.engine.engine_info()
-            if not polls:  # requests already there are not the ones the gate waits for
-                idle_at_start = not info["running"] and not info["waiting"]
-            polls, most = polls + 1, max(most, info["running"])
-            seen = {k: info.get(k) for k in ("running", "waiting", "min_output_tokens")}
-            if info["running"] >= n and info["min_output_tokens"] >= 2:
-                return
-            if idle_at_start and most and not info["running"] and not info["waiting"]:
-                # the requests came and went without ever all decoding at once (a loaded box
-                # admits them seconds apart): waiting longer cannot help
-                log.warning("switch.start_gate_missed", want_running=n, polls=polls,
-                            most_running=most)
-                return
-            # not faster: every poll is a round trip into the engine core, and this event loop
-            # also admits the HTTP requests the gate waits for (2 ms polling delayed them)
-            await asyncio.sleep(0.02)
-        # what the gate saw (a timeout means the streams never overlapped in the engine's view)
-        log.warning("switch.start_gate_timeout", want_running=n, polls=polls,
-                    most_running=most, last=seen)
+        first = await self.engine.engine_info()
+        # requests already there are not the ones the gate waits for: no hold, no miss rule
+        idle_at_start = not first["running"] and not first["waiting"]
+        holding = idle_at_start
+        if holding:
+            await self.engine.pause()
+        polls, most, seen = 0, 0, {}
+        try:
+            while time.monotonic() < deadline:
+                if self.current is not None and self.current.abort_reason is not None:
+                    return
+                info = await self.engine.engine_info()
+                polls, most = polls + 1, max(most, info["running"])
+                seen = {k: info.get(k) for k in ("running", "waiting", "min_output_tokens")}
+                if holding:
+                    if info["running"] + info["waiting"] >= n:
+                        holding = False
+                        await self.engine.resume()
+                elif info["running"] >= n and info["min_output_tokens"] >= 2:
+                    return
+                elif idle_at_start and most and not info["running"] and not info["waiting"]:
+                    # released together, they still came and went between two polls (short
+                    # requests on a loaded box): waiting longer cannot help
+                    log.warning("switch.start_gate_missed", want_running=n, polls=polls,
+                                most_running=most)
+                    return
+                # not faster: every poll is a round trip into the engine core, and this event
+                # loop also admits the HTTP requests the gate waits for (2 ms polling delayed them)
+                await asyncio.sleep(0.02)
+            # what the gate saw (a timeout: the requests never all arrived or never overlapped)
+            log.warning("switch.start_gate_timeout", want_running=n, polls=polls,
+                        most_running=most, last=seen)
+        finally:
+            if holding:
+                await self.engine.resume()
 
     async def warm_up_candidates(self, visit_all: bool = True,
                                  home: Topology | None = None) -> None:
