@@ -217,37 +217,57 @@ def write_canonical(series: WindowSeries, path: str | Path) -> None:
             w.writerow(row)
 
 
-def read_azure2023(path: str | Path, window_s: float | None = None) -> WindowSeries:
-    """Streamed row by row into float arrays (a week of Azure 2024, ~17 M rows, holds ~0.4 GB,
-    not every stamp as an object)."""
-    path = Path(path)
-    secs, tin, tout = array("d"), array("d"), array("d")
+def _stream_request_csv(path: Path, what: str, time_col: str, seconds, token_cols: tuple[str, str],
+                        tokens_required: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A per-request CSV streamed row by row into float arrays (times in s, input and output
+    tokens), not every row as objects: a week of Azure 2024 is ~17 M rows, a BurstGPT file
+    1.4-3.8 M. ``seconds`` turns a time field into seconds. Token columns are required (a blank
+    field is an error) or optional (absent or blank: 0). Any bad row is one ValueError naming the
+    file and the line."""
+    t, tin, tout = array("d"), array("d"), array("d")
     with path.open(newline="") as f:
         rows = csv.reader(f)
         head = [c.strip() for c in next(rows, [])]
         try:
-            cols = [head.index(c) for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens")]
+            i_t = head.index(time_col)
+            i_in, i_out = (head.index(c) if tokens_required or c in head else None for c in token_cols)
         except ValueError:
-            raise ValueError(f"{path}: not an Azure per-request trace (header {head[:6]})") from None
-        i_t, i_in, i_out = cols
+            raise ValueError(f"{path}: not {what} (header {head[:6]})") from None
+
+        def tokens(row: list[str], i: int | None) -> float:
+            if i is None:
+                return 0.0
+            return float(row[i]) if tokens_required else float(row[i] or 0)
+
         for row in rows:
             if not row:
                 continue
             try:
-                secs.append((_parse_stamp(row[i_t]) - _EPOCH).total_seconds())
-                tin.append(float(row[i_in]))
-                tout.append(float(row[i_out]))
+                t.append(seconds(row[i_t]))
+                tin.append(tokens(row, i_in))
+                tout.append(tokens(row, i_out))
             except IndexError:
-                raise ValueError(f"{path}: a row with too few columns ({str(row)[:80]})") from None
+                raise ValueError(f"{path}: line {rows.line_num} is not a row of {what}: too few "
+                                 f"columns ({str(row)[:80]})") from None
             except ValueError as exc:
-                raise ValueError(f"{path}: line {rows.line_num}: {str(exc)[:120]} ({str(row)[:80]})") from None
-    if not secs:
+                raise ValueError(f"{path}: line {rows.line_num} is not a row of {what}: "
+                                 f"{str(exc)[:120]} ({str(row)[:80]})") from None
+    return (np.frombuffer(t, dtype=float), np.frombuffer(tin, dtype=float),
+            np.frombuffer(tout, dtype=float))
+
+
+def read_azure2023(path: str | Path, window_s: float | None = None) -> WindowSeries:
+    path = Path(path)
+    t, tin, tout = _stream_request_csv(
+        path, "an Azure per-request trace", "TIMESTAMP",
+        lambda s: (_parse_stamp(s) - _EPOCH).total_seconds(), ("ContextTokens", "GeneratedTokens"),
+        tokens_required=True)
+    if not t.size:
         raise ValueError(f"{path}: no requests")
-    t = np.frombuffer(secs, dtype=float)
     midnight = dt.datetime.combine((_EPOCH + dt.timedelta(seconds=float(t.min()))).date(), dt.time())
     rel = t - (midnight - _EPOCH).total_seconds()
-    return aggregate(path.stem, rel, window_s or _default_window(rel), np.frombuffer(tin, dtype=float),
-                     np.frombuffer(tout, dtype=float), day0_weekday=midnight.weekday())
+    return aggregate(path.stem, rel, window_s or _default_window(rel), tin, tout,
+                     day0_weekday=midnight.weekday())
 
 
 _EPOCH = dt.datetime(1970, 1, 1)
@@ -267,30 +287,10 @@ def _parse_stamp(s: str) -> dt.datetime:
 
 
 def read_burstgpt(path: str | Path, window_s: float | None = None) -> WindowSeries:
-    """Streamed into float arrays, as the Azure reader (BurstGPT's files hold 1.4-3.8 M rows)."""
     path = Path(path)
-    t, tin, tout = array("d"), array("d"), array("d")
-    with path.open(newline="") as f:
-        rows = csv.reader(f)
-        head = [c.strip() for c in next(rows, [])]
-        try:
-            i_t = head.index("Timestamp")
-        except ValueError:
-            raise ValueError(f"{path}: not a BurstGPT trace (header {head[:6]})") from None
-        i_in = head.index("Request tokens") if "Request tokens" in head else None
-        i_out = head.index("Response tokens") if "Response tokens" in head else None
-        for row in rows:
-            if not row:
-                continue
-            try:
-                t.append(float(row[i_t]))
-                tin.append(float(row[i_in] or 0) if i_in is not None else 0.0)
-                tout.append(float(row[i_out] or 0) if i_out is not None else 0.0)
-            except (IndexError, ValueError):
-                raise ValueError(f"{path}: a row that is not BurstGPT's ({str(row)[:80]})") from None
-    times = np.frombuffer(t, dtype=float)
-    return aggregate(path.stem, times, window_s or _default_window(times), np.frombuffer(tin, dtype=float),
-                     np.frombuffer(tout, dtype=float), origin_s=0.0)
+    times, tin, tout = _stream_request_csv(path, "a BurstGPT trace", "Timestamp", float,
+                                           ("Request tokens", "Response tokens"), tokens_required=False)
+    return aggregate(path.stem, times, window_s or _default_window(times), tin, tout, origin_s=0.0)
 
 
 def _default_window(times_s: np.ndarray) -> float:

@@ -175,7 +175,7 @@ def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
     assert read_trace(long).window_s == 600.0 and read_trace(long, window_s=60.0).window_s == 60.0
     bad = tmp_path / "bad.csv"
     bad.write_text(rows[0] + "\nsoon,ChatGPT,1,1,2,x\n")
-    with pytest.raises(ValueError, match="not BurstGPT"):
+    with pytest.raises(ValueError, match="bad.csv: line 2 is not a row of a BurstGPT trace: could not"):
         read_trace(bad)
     empty = tmp_path / "empty.csv"
     empty.write_text(rows[0] + "\n")
