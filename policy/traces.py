@@ -217,6 +217,10 @@ def write_canonical(series: WindowSeries, path: str | Path) -> None:
             w.writerow(row)
 
 
+def _count_or_zero(field: str) -> float:
+    return float(field or 0)
+
+
 def _stream_request_csv(path: Path, what: str, time_col: str, seconds, token_cols: tuple[str, str],
                         tokens_required: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A per-request CSV streamed row by row into float arrays (times in s, input and output
@@ -234,18 +238,14 @@ def _stream_request_csv(path: Path, what: str, time_col: str, seconds, token_col
         except ValueError:
             raise ValueError(f"{path}: not {what} (header {head[:6]})") from None
 
-        def tokens(row: list[str], i: int | None) -> float:
-            if i is None:
-                return 0.0
-            return float(row[i]) if tokens_required else float(row[i] or 0)
-
+        count = float if tokens_required else _count_or_zero
         for row in rows:
             if not row:
                 continue
             try:
                 t.append(seconds(row[i_t]))
-                tin.append(tokens(row, i_in))
-                tout.append(tokens(row, i_out))
+                tin.append(0.0 if i_in is None else count(row[i_in]))
+                tout.append(0.0 if i_out is None else count(row[i_out]))
             except IndexError:
                 raise ValueError(f"{path}: line {rows.line_num} is not a row of {what}: too few "
                                  f"columns ({str(row)[:80]})") from None
