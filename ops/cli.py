@@ -271,50 +271,41 @@ def cmd_agent(a) -> int:
         return fail(str(exc), 1)
 
 
-def cmd_controller(a) -> int:
+def _serve(a, settings_cls, node: str, serve) -> int:
+    """One service command: its settings from the flags given (the rest from the environment and
+    defaults; a bad value is a one-line error, exit 2), logging, then the server's main. A bad
+    configuration found at start exits 2; a port, file or start-up failure exits 1."""
     from pydantic import ValidationError
 
     from remp import logs
+    from remp.errors import ConfigError
 
     fields = {k: v for k, v in vars(a).items() if v is not None and k not in ("cmd", "_removed")}
     try:
-        from controller.config import ControllerSettings
-
-        settings = ControllerSettings(**fields)
+        settings = settings_cls(**fields)
     except ValidationError as exc:
         return fail(invalid_setting(exc))
-    logs.configure(node="controller")
-    from controller import server
-
-    from remp.errors import ConfigError
-
+    logs.configure(node=node)
     try:
-        return server.main(settings)
+        return serve(settings)
     except ConfigError as exc:
         return fail(str(exc), 2)
-    except (OSError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+    except (OSError, RuntimeError, TimeoutError) as exc:
         return fail(str(exc), 1)
+
+
+def cmd_controller(a) -> int:
+    from controller import server
+    from controller.config import ControllerSettings
+
+    return _serve(a, ControllerSettings, "controller", server.main)
 
 
 def cmd_dashboard(a) -> int:
-    from pydantic import ValidationError
-
-    from remp import logs
-
-    fields = {k: v for k, v in vars(a).items() if v is not None and k not in ("cmd", "_removed")}
-    try:
-        from dashboard.config import DashboardSettings
-
-        settings = DashboardSettings(**fields)
-    except ValidationError as exc:
-        return fail(invalid_setting(exc))
-    logs.configure(node="dashboard")
     from dashboard import server
+    from dashboard.config import DashboardSettings
 
-    try:
-        return server.main(settings)
-    except OSError as exc:
-        return fail(str(exc), 1)
+    return _serve(a, DashboardSettings, "dashboard", server.main)
 
 
 def cmd_up(a) -> int:

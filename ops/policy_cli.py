@@ -295,7 +295,6 @@ def cmd_profile(args) -> int:
 
 def _savings_table(ev, cfg=None) -> str:  # noqa: ANN001 - SavingsEvaluation, ScaleConfig
     r = ev.result()
-    unit = "GPU-h frac" if ev.objective == "gpu-hours" else "GPU-h frac"
     told = []
     if cfg is not None and cfg.burst_rps > 0:
         told.append(f"a declared burst of {cfg.burst_rps:g} req/s")
@@ -306,7 +305,7 @@ def _savings_table(ev, cfg=None) -> str:  # noqa: ANN001 - SavingsEvaluation, Sc
              f"{ev.fixed_best}'s SLO capacity; the trace's rates x {ev.scale:.4g}); SLO TTFT "
              f"{ev.slo.ttft_s * 1e3:g} ms, TPOT {ev.slo.tpot_s * 1e3:g} ms"
              + (f"; auto told: {', '.join(told)}" if told else ""),
-             f"{'policy':15s} {unit:>10s} {'rel.att mean':>12s} {'worst day':>10s} {'switches/day':>12s} "
+             f"{'policy':15s} {'GPU-h frac':>10s} {'rel.att mean':>12s} {'worst day':>10s} {'switches/day':>12s} "
              f"{'busiest day':>11s} {'TPOT ms':>8s} {'TTFT ms':>8s}"]
     for n in r["gpu_hours_fraction"]:
         lines.append(f"{n:15s} {r['gpu_hours_fraction'][n]:10.3f} {r['relative_attainment_mean'][n]:12.4f} "
