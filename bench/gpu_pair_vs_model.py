@@ -8,10 +8,11 @@ e.g. an H100 and an H200. Rows are matched on (what, model, TP, phase, batch, q_
 the layer's operators timed alone (``op:*``) and the layer stacks under CUDA-graph replay
 (``layer_stack_graph``); attention rows are matched on (kind, heads, KV heads, batch, q_len, KV
 length, backend) and summarised per kind and backend, against the model's scaling of a measured
-attention table to another GPU (decode by the HBM bandwidth ratio, prefill unchanged). Per row: measured ratio B / A (same bench, same method, so the bench's
+attention table to another GPU (decode by the HBM bandwidth ratio beyond a fixed 12 µs per kernel,
+prefill unchanged). Per row: measured ratio B / A (same bench, same method, so the bench's
 own floor — L2 flush, isolated calls — cancels to first order) and the model's ratio
 (``PerfModel`` for B's GPU / for A's: Vidur's H100 operator times, each rescaled by its own
-roofline for the H200, and the attention source). Which GPU a run was on comes from its
+roofline for the H200 beyond a fixed 12 µs, and the attention source). Which GPU a run was on comes from its
 ``env.gpu`` (H100 / H200 in the name).
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.layer_stack_vs_model import NAMES, predict  # noqa: E402
-from policy.perfmodel import GPUS, MODELS, PerfModel  # noqa: E402
+from policy.perfmodel import GPUS, MODELS, PerfModel, rescale_kernel_ms  # noqa: E402
 
 KEY = ("what", "model", "tp", "phase", "batch", "q_len", "context")
 
@@ -88,7 +89,9 @@ def pair(a: dict, b: dict) -> dict:
                         context=int(x["kv_len"]), tokens=int(x["batch"]) * int(x["q_len"]),
                         a_ms=float(x["median_ms"]), b_ms=float(y["median_ms"]),
                         measured_ratio=round(float(y["median_ms"]) / float(x["median_ms"]), 4),
-                        model_ratio=round(bw if x["kind"].startswith("decode") else 1.0, 4)))
+                        model_ratio=round(rescale_kernel_ms(float(x["median_ms"]), bw)
+                                          / float(x["median_ms"])
+                                          if x["kind"].startswith("decode") else 1.0, 4)))
 
     def side(run: dict, g: str) -> dict:
         e = run.get("env", {})

@@ -144,11 +144,11 @@ def test_calibration_learns_a_slower_host_and_keeps_the_day():
 
 
 def test_calibration_learns_a_host_whose_ttft_alone_is_slower_and_keeps_the_day():
-    """The model right about decode, 25 % optimistic about TTFT (at every load): the TPOT says
+    """The model right about decode, 30 % optimistic about TTFT (at every load): the TPOT says
     nothing, the TTFT does."""
     prof, cfg = load_profile("h100x8-llama2-70b"), ScaleConfig()
-    blind = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, t=1.25)
-    learnt = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, noise=0.0, t=1.25)
+    blind = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, t=1.3)
+    learnt = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, noise=0.0, t=1.3)
     assert learnt["calibrated_max"] == 1.0 and learnt["calibrated_ttft_max"] > 1.1
     assert learnt["auto_worst_day"] >= 0.99 > blind["auto_worst_day"]
 

@@ -5,9 +5,9 @@ import csv
 import numpy as np
 import pytest
 
-from policy.perfmodel import (H100, H200, LLAMA2_7B, LLAMA2_70B, VIDUR_DIR, BoundAttention,
-                              MeasuredAttention, PerfModel, build_profile, load_collective,
-                              load_op_table, topologies)
+from policy.perfmodel import (FIXED_KERNEL_MS, H100, H200, LLAMA2_7B, LLAMA2_70B, VIDUR_DIR,
+                              BoundAttention, MeasuredAttention, PerfModel, build_profile,
+                              load_collective, load_op_table, topologies)
 from policy.profiles import BUILTIN_PROFILES, Profile, load_profile
 from remp.topology import Topology
 
@@ -64,8 +64,12 @@ def test_more_gpus_more_capacity_and_kv():
 
 def test_h200_scaling_memory_bound_only():
     a, b = PerfModel(LLAMA2_70B, H100, BoundAttention(H100)), PerfModel(LLAMA2_70B, H200, BoundAttention(H200))
-    # a 1-token GEMM is weight-bound: scaled by 3.35/4.8; a 4096-token one is compute-bound: unchanged
-    assert b.op_ms("mlp_up_proj", 1, 1) / a.op_ms("mlp_up_proj", 1, 1) == pytest.approx(3.35 / 4.8)
+    # a 1-token GEMM is weight-bound: scaled by 3.35/4.8 beyond its fixed 12 us; a 4096-token one
+    # is compute-bound: unchanged
+    t = a.op_ms("mlp_up_proj", 1, 1)
+    assert b.op_ms("mlp_up_proj", 1, 1) == pytest.approx(FIXED_KERNEL_MS + (t - FIXED_KERNEL_MS) * 3.35 / 4.8)
+    assert a.op_ms("input_layernorm", 1, 1) < FIXED_KERNEL_MS  # a tiny kernel: all fixed, unchanged
+    assert b.op_ms("input_layernorm", 1, 1) == pytest.approx(a.op_ms("input_layernorm", 1, 1))
     assert b.op_ms("mlp_up_proj", 1, 4096) == pytest.approx(a.op_ms("mlp_up_proj", 1, 4096))
     t = Topology(8, 1)
     assert b.round_ms(t, 64, 0) < a.round_ms(t, 64, 0)
@@ -87,7 +91,8 @@ def test_measured_attention_plugs_in(tmp_path):
     m = MeasuredAttention(p, H200, H200)
     assert m.decode_ms(8, 1, 128, 8, 1024) == pytest.approx(0.018)
     assert m.decode_ms(8, 1, 128, 128, 1024) == pytest.approx(0.074 * 2)  # linear beyond the range
-    assert MeasuredAttention(p, H200, H100).decode_ms(8, 1, 128, 8, 1024) == pytest.approx(0.018 * 4.8 / 3.35)
+    assert MeasuredAttention(p, H200, H100).decode_ms(8, 1, 128, 8, 1024) == pytest.approx(
+        FIXED_KERNEL_MS + (0.018 - FIXED_KERNEL_MS) * 4.8 / 3.35)  # the fixed part stays
     assert m.decode_ms(64, 8, 128, 8, 1024) == BoundAttention(H200).decode_ms(64, 8, 128, 8, 1024)  # no rows
     prof = build_profile("llama2-70b", "h200", attention_csv=p)
     assert "measured-h200" in prof.notes
