@@ -131,8 +131,9 @@ def table_md(res: dict) -> str:
              f"- A: {a['gpu_name']} ({a['date_utc']}), `{a['command']}`",
              f"- B: {b['gpu_name']} ({b['date_utc']}), `{b['command']}`", "",
              "Ratio = B time / A time (median of each). Model = `PerfModel` for B / for A at the "
-             "same shape (operators: Vidur H100 times, rescaled per operator roofline; stacks: "
-             "operators + attention source, per rank, no all-reduce).", "",
+             "same shape (operators: Vidur H100 times, rescaled per operator roofline beyond a "
+             "fixed 12 µs; stacks: operators + attention source, per rank, no all-reduce; "
+             "measured decode attention: the HBM ratio beyond the same fixed 12 µs).", "",
              "| what | model | TP | tokens / case | n | measured B/A | model B/A |",
              "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
     for s in summary(res):
