@@ -388,6 +388,24 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def layer_pre(x, n1, w_qkv, cos, sin, b: int, s: int, hq: int, hkv: int, d: int):
+    """Input norm, QKV projection, RoPE on q and k: ([b, s, hq, d], [b, s, hkv, d] x 2)."""
+    h = rms_norm(x, n1)
+    qkv = F.linear(h, w_qkv)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = apply_rope(q.view(b, s, hq, d), cos, sin)
+    k = apply_rope(k.view(b, s, hkv, d), cos, sin)
+    return q, k, v.view(b, s, hkv, d)
+
+
+def layer_post(x, a, w_o, n2, w_gu, w_down):
+    """Output projection + residual, post-attention norm, gated MLP + residual."""
+    x = x + F.linear(a, w_o)
+    h = rms_norm(x, n2)
+    g, u = F.linear(h, w_gu).chunk(2, dim=-1)
+    return x + F.linear(F.silu(g) * u, w_down)
+
+
 class LlamaLayer:
     def __init__(self, hidden, heads, kv_heads, inter, dtype, device, head_dim=None):
         d = head_dim or hidden // heads  # a TP shard keeps the head size: heads / TP of them
@@ -400,17 +418,14 @@ class LlamaLayer:
         self.n1 = torch.ones(hidden, dtype=dtype, device=device)
         self.n2 = torch.ones(hidden, dtype=dtype, device=device)
 
-    def forward(self, x, b, s, cos, sin, cache=None, ctx=None):
+    def forward(self, x, b, s, cos, sin, cache=None, ctx=None, pre=layer_pre, post=layer_post):
         """x [b*s, hidden]. Prefill: s tokens per request, causal. Decode (cache given): s == 1,
         the new K/V is written at position ctx of cache (k, v) [b, Hkv, ctx+1, D], attention over
-        all ctx+1 positions."""
-        h = rms_norm(x, self.n1)
-        qkv = F.linear(h, self.w_qkv)
+        all ctx+1 positions. ``pre`` / ``post``: the parts before and after attention (eager, or
+        compiled by --layer-compile; attention and the cache write stay eager between them, as
+        vLLM's piecewise compilation splits at attention)."""
         hq, hkv, d = self.heads, self.kv_heads, self.d
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rope(q.view(b, s, hq, d), cos, sin)
-        k = apply_rope(k.view(b, s, hkv, d), cos, sin)
-        v = v.view(b, s, hkv, d)
+        q, k, v = pre(x, self.n1, self.w_qkv, cos, sin, b, s, hq, hkv, d)
         gqa = dict(enable_gqa=True) if hq != hkv else {}
         if cache is None:
             a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -421,11 +436,7 @@ class LlamaLayer:
             vc[:, :, ctx] = v[:, 0]
             a = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, **gqa)
         a = a.transpose(1, 2).reshape(b * s, hq * d)
-        x = x + F.linear(a, self.w_o)
-        h = rms_norm(x, self.n2)
-        g, u = F.linear(h, self.w_gu).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(g) * u, self.w_down)
-        return x
+        return post(x, a, self.w_o, self.n2, self.w_gu, self.w_down)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,6 +519,7 @@ class Bench:
         self.configs = self.spec["configs"] or list(cfgs.keys())
         self.config_map = {f"{a}/{b}": v for (a, b), v in cfgs.items()}
         self.working: dict[str, dict] = {}  # kind -> backend -> ok?
+        self._compiled = None  # --layer-compile: (compiled layer_pre, compiled layer_post)
 
     # -- helpers
     def _ctx(self, backend):
@@ -868,7 +880,11 @@ class Bench:
                                            note="random weights; eager torch ops (F.rms_norm, F.linear, "
                                                 "rotate-half RoPE, SDPA default backend, silu*mul); "
                                                 "one TP rank's shard: heads, KV heads (at least 1) and "
-                                                "the MLP width divided by TP, no all-reduce")
+                                                "the MLP width divided by TP, no all-reduce"
+                                                + ("; layer_stack_compiled: norm/QKV/RoPE and "
+                                                   "out-proj/norm/MLP torch.compile'd (dynamic), "
+                                                   "attention eager, one CUDA graph"
+                                                   if a.layer_compile else ""))
         for tp in (int(x) for x in str(a.layer_tp).split(",")):
             shard = dict(L, heads=L["heads"] // tp, kv_heads=max(1, L["kv_heads"] // tp),
                          inter=L["inter"] // tp)
@@ -957,6 +973,9 @@ class Bench:
                     self._layer_row("layer_attention_default", model, tp, phase, b, s, (ctx + 1) if ctx else s,
                                     tokens, f"q{hq},kv{hkv},d{d}", sta)
                     msg += f"; attention alone {sta['median_ms']:.3f} ms/layer; eager host {host_ms:.3f} ms"
+                if self.args.layer_compile:
+                    msg += self._compiled_stack(model, tp, phase, b, s, ctx, tokens, shape, case,
+                                                layers, caches, x, cos, sin, fwd)
                 log(msg)
                 del x, caches
             except Exception as e:  # noqa: BLE001
@@ -964,6 +983,54 @@ class Bench:
             self._free()
         del layers
         self._free()
+
+    def _compiled_stack(self, model, tp, phase, b, s, ctx, tokens, shape, case, layers, caches, x,
+                        cos, sin, fwd):
+        """--layer-compile: the same stack with the parts before and after attention compiled by
+        torch.compile (inductor: norm + residual, RoPE and SiLU x mul fused into Triton kernels;
+        GEMMs stay cuBLAS), attention and the KV write eager between them (vLLM's piecewise
+        compilation splits there too), the whole stack then captured in one CUDA graph. A proxy
+        for vLLM's fused kernels; not vLLM. Row ``layer_stack_compiled``."""
+        if self._compiled is None:
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            self._compiled = (torch.compile(layer_pre, dynamic=True), torch.compile(layer_post, dynamic=True))
+        cpre, cpost = self._compiled
+
+        def cfwd():
+            y = x
+            for lay, cch in zip(layers, caches):
+                y = lay.forward(y, b, s, cos, sin, cch, ctx, pre=cpre, post=cpost)
+            return y
+        try:
+            t0 = time.perf_counter()
+            out = cfwd()  # compiles (once per shape family), outside any capture
+            self.timer.sync()
+            compile_s = time.perf_counter() - t0
+            ref = fwd()
+            self.timer.sync()
+            err = rel_err(out, ref.float())
+            if self.device.type == "cuda":
+                sstream = torch.cuda.Stream()
+                sstream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(sstream):
+                    for _ in range(2):
+                        cfwd()
+                torch.cuda.current_stream().wait_stream(sstream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    cfwd()
+                st = self.timer.time(g.replay)
+                del g
+            else:
+                st = self.timer.time(cfwd)
+            self._layer_row("layer_stack_compiled", model, tp, phase, b, s, ctx or s, tokens, shape, st)
+            self.result.setdefault("layer_compiled_check", {})[case] = dict(
+                rel_err_vs_eager=err, first_call_s=round(compile_s, 3))
+            return f"; compiled {st['median_ms']:.3f} ms (vs eager rel err {err:.1e}, first call {compile_s:.1f} s)"
+        except Exception as e:  # noqa: BLE001
+            self._err(f"layer compiled {phase} b{b} s{s}", e)
+            return "; compiled: failed"
 
     # -- operators alone (Vidur's names), TP shards
     def ops(self, alive):
@@ -1169,6 +1236,9 @@ def main():
     ap.add_argument("--layer-tp", default="1", help="comma list of TP degrees: one rank's shard each")
     ap.add_argument("--layer-count", type=int, default=0, help="layers in the stack (default 4)")
     ap.add_argument("--tag", default="", help="output name tag (default: h100 / h200 from the GPU, cpu)")
+    ap.add_argument("--layer-compile", action="store_true",
+                    help="also time each stack with the parts around attention compiled "
+                         "(torch.compile, fused kernels as vLLM runs them; row layer_stack_compiled)")
     for name, default in [("layer", 60), ("ops", 45), ("decode", 130), ("prefill", 80), ("chunk", 50),
                           ("paged", 60), ("flex", 150)]:
         ap.add_argument(f"--cap-{name}", type=float, default=default, help=f"seconds for {name}")

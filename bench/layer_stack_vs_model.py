@@ -63,6 +63,8 @@ def compare(run_dir: Path, gpu: str) -> dict:
              for r in rows if r["what"] == "layer_attention_default"}
     eager = {(r["tp"], r["phase"], r["batch"], r["q_len"], r["context"]): float(r["median_ms"])
              for r in rows if r["what"] == "layer_stack_eager"}
+    compiled = {(r["tp"], r["phase"], r["batch"], r["q_len"], r["context"]): float(r["median_ms"])
+                for r in rows if r["what"] == "layer_stack_compiled"}
     out, models = [], {}  # one PerfModel per model shape (each reads its tables)
     for r in rows:
         if r["what"] != "layer_stack_graph":
@@ -80,6 +82,10 @@ def compare(run_dir: Path, gpu: str) -> dict:
                    eager_ms=eager.get((r["tp"], r["phase"], r["batch"], r["q_len"], r["context"])),
                    model_ops_ms=round(ops, 4), model_attention_ms=round(att, 4),
                    model_ms=round(ops + att, 4), model_err=round((ops + att) / measured - 1, 4))
+        comp = compiled.get((r["tp"], r["phase"], r["batch"], r["q_len"], r["context"]))
+        if comp is not None:  # --layer-compile: the fused-kernel stack, same case, same run
+            row.update(compiled_ms=comp, compiled_vs_graph=round(comp / measured, 4),
+                       model_err_compiled=round((ops + att) / comp - 1, 4))
         if att_alone is not None:
             with_measured = ops + layers * att_alone
             row.update(measured_attention_ms=round(layers * att_alone, 4),
@@ -114,6 +120,22 @@ def table_md(res: dict) -> str:
     if errs:
         lines += ["", f"|error| of the model: median {sorted(errs)[len(errs) // 2]:.0%}, "
                       f"max {max(errs):.0%} over {len(errs)} cases."]
+    comp = [r for r in res["rows"] if "compiled_ms" in r]
+    if comp:
+        lines += ["", "The same stacks with the parts around attention compiled (`--layer-compile`: "
+                      "torch.compile fuses norm + residual, RoPE and SiLU × mul; attention eager; one "
+                      "CUDA graph), the proxy for vLLM's fused kernels:", "",
+                  "| model | TP | case | graph ms | compiled ms | compiled / graph | model error vs compiled |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+        for r in comp:
+            case = (f"decode b{r['batch']}, ctx {r['context']}" if r["phase"] == "decode"
+                    else f"prefill {r['batch']}×{r['q_len']}")
+            lines.append(f"| {r['model']} | {r['tp']} | {case} | {r['graph_ms']:.3f} | "
+                         f"{r['compiled_ms']:.3f} | {r['compiled_vs_graph']:.3f} | "
+                         f"{r['model_err_compiled']:+.0%} |")
+        ce = sorted(abs(r["model_err_compiled"]) for r in comp)
+        lines += ["", f"|error| of the model against the compiled stacks: median {ce[len(ce) // 2]:.0%}, "
+                      f"max {ce[-1]:.0%} over {len(ce)} cases."]
     return "\n".join(lines) + "\n"
 
 

@@ -35,3 +35,26 @@ def test_the_model_is_within_25_percent_of_the_measured_h200_stack(h200_run):
     md = table_md(res)
     assert md.count("| llama2-7b | 1 |") == 9
     json.dumps(res)
+
+
+def test_compiled_stacks_get_their_own_columns(h200_run):
+    """A run with --layer-compile has a layer_stack_compiled row per case: the comparison adds the
+    compiled time, its ratio to the graph-replayed stack and the model's error against it."""
+    import csv
+
+    path = h200_run / "layer_stack.csv"
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    extra = [dict(r, what="layer_stack_compiled", median_ms=str(float(r["median_ms"]) * 0.9))
+             for r in rows if r["what"] == "layer_stack_graph"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows + extra)
+    res = compare(h200_run, "h200")
+    assert len(res["rows"]) == 9
+    for r in res["rows"]:
+        assert r["compiled_vs_graph"] == pytest.approx(0.9, abs=1e-3)
+        assert r["model_err_compiled"] == pytest.approx(r["model_ms"] / r["compiled_ms"] - 1, abs=1e-3)
+    md = table_md(res)
+    assert "model error vs compiled" in md and "against the compiled stacks: median" in md
