@@ -992,8 +992,8 @@ class Bench:
         compilation splits there too), the whole stack then captured in one CUDA graph. A proxy
         for vLLM's fused kernels; not vLLM. Row ``layer_stack_compiled``."""
         if self._compiled is None:
-            import torch._dynamo
-            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            import torch._dynamo as dynamo  # binds `dynamo` only (a bare import would shadow torch)
+            dynamo.config.cache_size_limit = max(64, dynamo.config.cache_size_limit)
             self._compiled = (torch.compile(layer_pre, dynamic=True), torch.compile(layer_post, dynamic=True))
         cpre, cpost = self._compiled
 
