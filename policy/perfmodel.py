@@ -28,7 +28,7 @@ weight-bound: 0.698; a 4096-token GEMM is compute-bound: 1.0) -- except a fixed 
 every kernel (launch, ramp-up, tail), which does not scale (``rescale_kernel_ms``; the measured
 attention table is scaled to the H100 the same way). Without that part the model said 0.698 x
 for every decode stack; the stacks measured on both GPUs ran 0.73-0.89 x (smaller shards gain
-less), and with it the model comes within 0.05. The KV cache gets the larger memory. This is a
+less), and with it the model comes within about 0.01. The KV cache gets the larger memory. This is a
 *scaling*, labelled as such in every profile built from it.
 
 **Serving model** (vLLM V1 defaults for 80+ GB GPUs: chunked prefill, ``max_num_batched_tokens``
@@ -89,7 +89,7 @@ class GPUSpec:
 # when a time measured on one GPU is rescaled to another by a bandwidth factor, only the rest
 # scales. Fitted on the measured H100 / H200 pairs (bench/results/gpu_pair_h100_h200-2026-12-07-
 # {70b,7b}-stack.md and -2026-12-06-attention.md; docs/policy.md "The performance model"):
-# 10-12 us brings the modelled decode-stack ratios within 0.05 of the measured ones (scaling the
+# 12 us brings the modelled decode-stack ratios within about 0.01 of the measured ones (scaling the
 # whole time missed by up to 0.19) and the cuDNN decode attention pair to a median 3 % (was 10 %).
 FIXED_KERNEL_MS = 0.012
 
