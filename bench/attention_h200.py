@@ -406,6 +406,21 @@ def layer_post(x, a, w_o, n2, w_gu, w_down):
     return x + F.linear(F.silu(g) * u, w_down)
 
 
+def capture_graph(fn):
+    """(CUDA graph of one ``fn()`` call, its static output), after two warm-up calls on a side
+    stream (allocations and lazy initialisation happen outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 class LlamaLayer:
     def __init__(self, hidden, heads, kv_heads, inter, dtype, device, head_dim=None):
         d = head_dim or hidden // heads  # a TP shard keeps the head size: heads / TP of them
@@ -934,15 +949,7 @@ class Bench:
                     host_ms = (time.perf_counter() - t0) / 5 * 1e3
                     self.result.setdefault("layer_eager_wall_ms", {})[case] = host_ms
                     try:
-                        sstream = torch.cuda.Stream()
-                        sstream.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(sstream):
-                            for _ in range(2):
-                                fwd()
-                        torch.cuda.current_stream().wait_stream(sstream)
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g):
-                            out_static = fwd()
+                        g, out_static = capture_graph(fwd)
                         g.replay()
                         self.timer.sync()
                         ref = fwd()
@@ -1011,15 +1018,7 @@ class Bench:
             self.timer.sync()
             err = rel_err(out, ref.float())
             if self.device.type == "cuda":
-                sstream = torch.cuda.Stream()
-                sstream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(sstream):
-                    for _ in range(2):
-                        cfwd()
-                torch.cuda.current_stream().wait_stream(sstream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    cfwd()
+                g, _ = capture_graph(cfwd)
                 st = self.timer.time(g.replay)
                 del g
             else:
