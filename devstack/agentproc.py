@@ -568,6 +568,22 @@ class ControllerProcess(ServiceProcess):
             time.sleep(0.2)
         raise TimeoutError(f"node {node} did not register with the controller in {timeout}s")
 
+    def wait_switch(self, switch_id: str, timeout: float = 60):
+        """Until switch ``switch_id`` is over (Controller.GetSwitch, polled); its SwitchRecord."""
+        from remp.common.v1 import types_pb2
+        from remp.controller.v1 import controller_pb2
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with grpc.insecure_channel(self.addr) as ch:
+                rec = self.stub(ch).GetSwitch(controller_pb2.GetSwitchRequest(switch_id=switch_id),
+                                              timeout=10)
+            if rec.outcome not in (types_pb2.SWITCH_OUTCOME_RUNNING,
+                                   types_pb2.SWITCH_OUTCOME_UNSPECIFIED):
+                return rec
+            time.sleep(0.05)
+        raise TimeoutError(f"switch {switch_id} did not finish in {timeout}s")
+
     def log_has(self, event: str) -> bool:
         try:
             return f'"event": "{event}"' in self.log_path.read_text()

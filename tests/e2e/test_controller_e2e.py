@@ -71,17 +71,6 @@ def call(ctl, method, req, md=True, timeout=10):
                                              timeout=timeout)
 
 
-def wait_switch(ctl, sid, timeout=60) -> types_pb2.SwitchRecord:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rec = call(ctl, "GetSwitch", controller_pb2.GetSwitchRequest(switch_id=sid), md=False)
-        if rec.outcome not in (types_pb2.SWITCH_OUTCOME_RUNNING,
-                               types_pb2.SWITCH_OUTCOME_UNSPECIFIED):
-            return rec
-        time.sleep(0.05)
-    raise TimeoutError(f"switch {sid} did not finish")
-
-
 def agent_topology(agent):
     d = agent.describe()
     return (d.topology.tp, d.topology.pp)
@@ -147,7 +136,7 @@ def test_reconfigure_with_grpcurl_mid_decode(stack):
     out = json.loads(r.stdout)
     sid = out.get("switchId") or out.get("switch_id")
     assert sid and not out.get("noop"), r.stdout
-    rec = wait_switch(ctl, sid)
+    rec = ctl.wait_switch(sid)
     w.join(30)
     assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED, rec.error.message
     assert rec.requests_in_flight == len(PROMPTS) and rec.requests_preempted == 0
@@ -215,7 +204,7 @@ def test_twenty_concurrent_reconfigures_make_one_switch(stack):
         assert kind in ("ok", "noop", "FAILED_PRECONDITION"), res
         if kind == "FAILED_PRECONDITION":
             assert started[0] in detail
-    rec = wait_switch(ctl, started[0])
+    rec = ctl.wait_switch(started[0])
     assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED
     assert agent_topology(agent) == (target.tp, target.pp)
     # retries with one request id → one switch
@@ -224,7 +213,7 @@ def test_twenty_concurrent_reconfigures_make_one_switch(stack):
         ids = set(ex.map(lambda _: call(ctl, "Reconfigure", controller_pb2.ReconfigureRequest(
             node=NODE, target=back, request_id="retry-me")).switch_id, range(10)))
     assert len(ids) == 1
-    rec = wait_switch(ctl, ids.pop())
+    rec = ctl.wait_switch(ids.pop())
     assert rec.outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED and agent_topology(agent) == start
     after = call(ctl, "ListSwitches", controller_pb2.ListSwitchesRequest(
         node=NODE, page_size=1000), md=False).switches
@@ -247,7 +236,7 @@ def test_controller_killed_at_each_phase_recovers_from_the_agent(stack, point):
     ctl.kill()
     time.sleep(0.5)  # the agent finishes (or never got) the switch on its own
     ctl.start().wait_ready()
-    rec = wait_switch(ctl, sid)
+    rec = ctl.wait_switch(sid)
     truth = agent.switch_record(sid)
     st = call(ctl, "GetState", controller_pb2.GetStateRequest(node=NODE), md=False)
     if point in ("ACCEPTED", "DISPATCHED"):
@@ -272,7 +261,7 @@ def test_controller_killed_at_each_phase_recovers_from_the_agent(stack, point):
     nxt = (2, 1) if nxt == (1, 2) else (1, 2)
     again = call(ctl, "Reconfigure", controller_pb2.ReconfigureRequest(
         node=NODE, target=T(tp=nxt[0], pp=nxt[1]))).switch_id
-    assert wait_switch(ctl, again).outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED
+    assert ctl.wait_switch(again).outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED
     assert agent_topology(agent) == nxt
 
 
@@ -338,7 +327,7 @@ def test_abort_through_the_controller_while_the_agent_holds_the_switch(stack):
         time.sleep(0.05)
     r = call(ctl, "Abort", controller_pb2.AbortRequest(switch_id=sid, reason="operator"))
     assert r.aborted
-    rec = wait_switch(ctl, sid)
+    rec = ctl.wait_switch(sid)
     assert rec.outcome == types_pb2.SWITCH_OUTCOME_ABORTED and rec.error.code == "ABORTED"
     st = call(ctl, "GetState", controller_pb2.GetStateRequest(node=NODE), md=False)
     assert (st.observed.tp, st.observed.pp) == start == agent_topology(agent)

@@ -277,14 +277,7 @@ def test_metrics_after_switches(stack):
         t = threading.Thread(target=one_request, args=(agent, out))
         t.start()
 
-        def done():
-            with grpc.insecure_channel(ctl.addr) as ch:
-                rec = ctl.stub(ch).GetSwitch(controller_pb2.GetSwitchRequest(switch_id=sid),
-                                             timeout=10)
-            return rec.outcome not in (types_pb2.SWITCH_OUTCOME_UNSPECIFIED,
-                                       types_pb2.SWITCH_OUTCOME_RUNNING) and rec
-        assert until(done, 180, "the test's own switch finishes").outcome == \
-            types_pb2.SWITCH_OUTCOME_SUCCEEDED
+        assert ctl.wait_switch(sid, 180).outcome == types_pb2.SWITCH_OUTCOME_SUCCEEDED
         t.join(300)
         assert out and out[0], "the request in flight did not complete"
     n = succeeded_switches(ctl)
