@@ -18,8 +18,7 @@ from devstack.agentproc import AgentProcess, ControllerProcess, prompt
 from remp.common.v1 import types_pb2
 from remp.controller.v1 import controller_pb2
 from remp.redisproc import RedisServer
-from tests.e2e.test_controller_e2e import (PAUSE_POINTS, T, agent_topology,
-                                           call, wait_switch)
+from tests.e2e.test_controller_e2e import PAUSE_POINTS, T, agent_topology, call
 
 pytestmark = pytest.mark.e2e
 
@@ -128,7 +127,7 @@ def test_kill_9_of_the_leader_at_every_phase_boundary(ha):
             lead.wait_log("controller.test_paused")
             lead.kill()  # the leader dies with the switch at `point`
             handover = wait_leader(spare)
-            rec = wait_switch(spare, sid)
+            rec = spare.wait_switch(sid)
             truth = agent.switch_record(sid)
             if point in ("ACCEPTED", "DISPATCHED"):  # never sent: not sent by the next either
                 assert truth is None and rec.outcome == types_pb2.SWITCH_OUTCOME_ABORTED
