@@ -6,17 +6,24 @@ oracle (which is kept as defined).
 Traces are marked tune (the auto policy's parameters were chosen on them) or held-out.
 
     .venv/bin/python bench/policy_savings_table.py [--gpu h100] [--traces ../shared/traces] [--out FILE.md]
+        [--set FIELD=VALUE ...]
+
+``--set`` replays auto with a ``policy.scale.ScaleConfig`` field changed (repeatable; e.g.
+``--set loss_budget=0.02 --set step_down=false``), to check a candidate rule setting against
+the grid with every other policy unchanged; the summary names the settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import time
 
 from policy.profiles import load_profile
 from policy.savings import off_peak_tpot_ms, run_savings
+from policy.scale import ScaleConfig
 from policy.traces import read_trace
 
 # auto's parameters (policy.scale.ScaleConfig defaults) were chosen on these traces; the others
@@ -39,6 +46,35 @@ def grid_cases(traces: str, gpu: str):
             prof = load_profile(f"{gpu}x8-{model}")
             for K in LOAD_SCALES:
                 yield series, model, K, prof
+
+
+def scale_overrides(items: list[str]) -> dict:
+    """``--set FIELD=VALUE`` items as ``ScaleConfig`` keyword arguments, each VALUE parsed as its
+    field's type (bool: true/false); an unknown field or a value of the wrong type is a ValueError."""
+    fields = {f.name: f for f in dataclasses.fields(ScaleConfig)}
+    out: dict = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"--set {item[:60]!r}: FIELD=VALUE with FIELD one of ScaleConfig's "
+                             f"({', '.join(sorted(fields))})")
+        default = getattr(ScaleConfig(), name)
+        kind = float if default is None else type(default)
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--set {name}: true or false, not {value[:40]!r}")
+            out[name] = value.lower() == "true"
+        elif kind is str:
+            out[name] = value
+        else:
+            try:
+                out[name] = kind(float(value)) if kind is int and float(value).is_integer() else kind(value)
+            except ValueError:
+                raise ValueError(f"--set {name}: {'an integer' if kind is int else 'a number'}, "
+                                 f"not {value[:40]!r}") from None
+    ScaleConfig(**out)  # the field checks (ranges, choices) as the policy makes them
+    return out
 
 
 def _summary(records: list[dict]) -> str:
@@ -82,7 +118,14 @@ def main() -> None:
     ap.add_argument("--traces", default="../shared/traces")
     ap.add_argument("--out", default=None)
     ap.add_argument("--latency", action="store_true", help="also the latency objective at K=0.6")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a ScaleConfig field for auto (repeatable)")
     a = ap.parse_args()
+    try:
+        over = scale_overrides(a.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    cfg = ScaleConfig(**over)
     rows = ["| trace | set | model | K | auto GPU-h | reactive | seasonal | fixed-cheapest | oracle | oracle sw/day | "
             "oracle-lag1 GPU-h (worst day) | oracle-constrained GPU-h (sw/day) | auto rel. att. worst day (mean) | "
             "reactive worst day | auto sw/day (most in a day, in 24 h) | captured | captured (constrained) | targets |", "|" + "---|" * 18]
@@ -92,7 +135,7 @@ def main() -> None:
     records = []
     for series, model, K, prof in grid_cases(a.traces, a.gpu):
         t0 = time.time()
-        ev = run_savings(series, prof, "gpu-hours", K,
+        ev = run_savings(series, prof, "gpu-hours", K, config=cfg,
                          policies=("fixed-best", "fixed-cheapest", "reactive", "seasonal", "auto", "oracle",
                                    "oracle-lag1", "oracle-constrained"))
         r = ev.result()
@@ -132,6 +175,9 @@ def main() -> None:
                        + f"{r['relative_attainment_min_day']['auto']:.4f} | {r['switches_per_day']['auto']:.1f} |")
             print(lat[-1], flush=True)
     summary = _summary(records)
+    if over:
+        summary = ("auto with " + ", ".join(f"{k}={v}" for k, v in over.items()) + " (every other field "
+                   "at its default)\n\n" + summary)
     print(summary)
     text = summary + "\n\n" + "\n".join(rows) + ("\n\n" + "\n".join(lat) if a.latency else "") + "\n"
     if a.out:

@@ -632,3 +632,37 @@ def test_a_declared_burst_keeps_the_first_bursts_day_and_min_gpus_is_a_floor():
         ScaleConfig(burst_rps=math.inf)
     with pytest.raises(ValueError):
         ScaleConfig(min_gpus=-1)
+
+
+def test_the_grid_bench_takes_auto_settings_by_name():
+    """``bench/policy_savings_table.py --set FIELD=VALUE``: each value parsed as its field's type
+    and checked as the policy checks it; a name or value it cannot take is a clear error."""
+    from bench.policy_savings_table import scale_overrides
+
+    over = scale_overrides(["loss_budget=0.02", "step_down=False", "min_dwell_windows=3",
+                            "last_up=largest", "request_cost_gpu_s=4"])
+    assert over == {"loss_budget": 0.02, "step_down": False, "min_dwell_windows": 3,
+                    "last_up": "largest", "request_cost_gpu_s": 4.0}
+    assert ScaleConfig(**over).loss_budget == 0.02 and scale_overrides([]) == {}
+    for bad, msg in ((["lossbudget=0.1"], "FIELD=VALUE"), (["loss_budget"], "FIELD=VALUE"),
+                     (["step_down=2"], "true or false"), (["loss_budget=abc"], "a number"),
+                     (["min_dwell_windows=1.5"], "an integer"), (["loss_budget=2"], "loss_budget < 1"),
+                     (["last_up=smallest"], "day-peak or largest")):
+        with pytest.raises(ValueError, match=msg):
+            scale_overrides(bad)
+
+
+def test_auto_excess_over_the_oracle_is_filed_by_decision_reason():
+    """``bench/policy_auto_excess.py``: per window, auto's GPUs beyond the oracle's under the
+    reason of the decision that chose them (the first window under "start"); the shares sum to
+    the two policies' GPU-hour fractions apart."""
+    from bench.policy_auto_excess import excess_by_reason
+
+    ev = run_savings(_diurnal(days=2), load_profile("h100x8-llama2-7b"), load_scale=0.9,
+                     policies=("fixed-best", "auto", "oracle"))
+    ex = excess_by_reason(ev)
+    g = ev.result()["gpu_hours_fraction"]
+    assert sum(ex.values()) == pytest.approx(g["auto"] - g["oracle"], abs=1e-5)
+    assert {"start", "scale-down"} <= set(ex) and ex["start"] > 0
+    assert set(ex) <= {"start", "stay", "scale-up", "scale-down", "hold-dwell", "hold-budget", "hold-saving",
+                       "hold-pace", "hold-warmup"}
