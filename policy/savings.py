@@ -554,10 +554,18 @@ class HostCalibration:
 
 def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarray, scale: float,
                     cfg: ScaleConfig, start: Topology,
-                    calibration: HostCalibration | None = None) -> tuple[list[Topology], list]:
+                    calibration: HostCalibration | None = None,
+                    knows_next: bool = False) -> tuple[list[Topology], list]:
     """Auto's topology per window. With ``calibration``, ``table`` must be the base profile taken
     as ``calibration.floor`` x slower; after each window auto re-derives its table from the
-    base profile taken as the calibrated slowdown x slower."""
+    base profile taken as the calibrated slowdown x slower.
+
+    ``knows_next`` (a reference, not a policy; ``bench/policy_forecast_bound.py``): before each
+    window auto is told that window's true rate and nothing more of the future — its forecast
+    band, its scenarios and its recent samples are that rate (a missing window: no traffic), no
+    yesterday sample; every other rule (the bet on the error budget, the switch budget, the
+    dwell, the pace, the steps) works on what it observed, as before. What a perfect forecast of
+    the next window, and only of it, would give auto's rules."""
     W, n = series.window_s, len(rates)
     t0 = float(series.t_start_s[0])
     H = cfg.windows(cfg.horizon_s, W)
@@ -633,6 +641,10 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
                 recent = None
             band = Band(W, mean[w], upper[w], scen[w] * scale, fnames[w])
             seas = float(rates[w - day_n]) if w >= day_n else math.nan
+            if knows_next:
+                nxt = np.full(len(band.mean), r0[w])
+                band = Band(W, nxt, nxt, nxt[None, :], "next-window-known")
+                recent, seas = np.full(rec_n, r0[w]), math.nan
             day = rates[lo:w]  # the last 24 h, NaN = missing
             obs = ~np.isnan(day)  # fixed-best's mean in-SLO rate over the last 24 h
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan

@@ -666,3 +666,29 @@ def test_auto_excess_over_the_oracle_is_filed_by_decision_reason():
     assert {"start", "scale-down"} <= set(ex) and ex["start"] > 0
     assert set(ex) <= {"start", "stay", "scale-up", "scale-down", "hold-dwell", "hold-budget", "hold-saving",
                        "hold-pace", "hold-warmup"}
+
+
+def test_auto_told_the_next_window_scales_up_before_a_jump_not_after():
+    """``auto_topologies(knows_next=True)`` (``bench/policy_forecast_bound.py``, a reference, not a
+    policy): before each window auto is told its true rate — its band and recent samples are that
+    rate — and its other rules stay. On a step (8 h quiet, then 5x for the rest of the day) the
+    causal auto meets the step's first window on the quiet topology and scales up after it; told
+    the next window, auto holds a topology covering the step in that very window."""
+    from policy.savings import auto_topologies, capacity_table
+
+    W = 600.0
+    t = np.arange(0, 86400, W)
+    r = np.where(t < 8 * 3600, 10.0, 50.0)
+    series = WindowSeries("step", W, t, r * W, np.zeros(len(t), bool))
+    prof = load_profile("h100x8-llama2-7b")
+    ev = run_savings(series, prof, load_scale=0.9, policies=("fixed-best", "auto"))
+    table = capacity_table(prof, ev.slo, 0.99)
+    jump = int(8 * 3600 / W)
+    causal = ev.runs["auto"].topologies
+    told, decisions = auto_topologies(series, table, ev.rates, ev.scale, ScaleConfig(), table.fixed_best,
+                                      knows_next=True)
+    assert table.slo_cap[causal[jump - 1]] < ev.rates[jump]  # both scaled down in the quiet hours
+    assert table.slo_cap[told[jump - 1]] < ev.rates[jump]
+    assert table.slo_cap[causal[jump]] < ev.rates[jump] <= table.slo_cap[causal[jump + 1]]
+    assert table.slo_cap[told[jump]] >= ev.rates[jump]
+    assert decisions[jump - 1].reason == "scale-up" and len(decisions) == len(t) - 1
