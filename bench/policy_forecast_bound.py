@@ -16,7 +16,11 @@ switches per day, GPU-hours against reactive and the issue's per-window oracle):
   the bet off, the switch rules loosened, or both;
 
 and beside them ``oracle-constrained``, which knows the whole day and plans it (the grid's
-clairvoyant policy under the same rules: every day >= 99 %, <= 12 switches a day). The steps
+clairvoyant policy under the same rules: every day >= 99 %, <= 12 switches a day), and two
+causal day-ahead plans: ``yesterday planned`` — each day, ``oracle-constrained``'s plan computed
+on the day before's observed rates, followed as planned (the first day, with no yesterday, on
+the whole host) — and ``yesterday planned, reactive net`` — per window the larger of that plan
+and reactive's choice. The steps
 between the rows split auto's shortfall against the issue's 80 % target into what a better
 forecast of the next window could recover, what auto's own safety rules cost, and what only
 knowing the day ahead reaches.
@@ -36,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.policy_model_error import grid_args, write_results  # noqa: E402
 from bench.policy_savings_table import TUNE, grid_cases  # noqa: E402
 from policy.decide import DAY_S  # noqa: E402
-from policy.savings import account, auto_topologies, capacity_table, run_savings  # noqa: E402
+from policy.savings import (account, auto_topologies, capacity_table, constrained_oracle_topologies,  # noqa: E402
+                            run_savings)
 from policy.scale import ScaleConfig  # noqa: E402
 
 LOOSE = dict(budget_share=100.0, step_down=False, pace_span_s=0.0, min_dwell_windows=0)
@@ -48,6 +53,8 @@ VARIANTS = (  # name, knows the next window, ScaleConfig fields
     ("next known, loose switches", True, dict(step_down=False, pace_span_s=0.0, min_dwell_windows=0)),
     ("next known, loose", True, LOOSE),
 )
+
+NAMES = [v[0] for v in VARIANTS] + ["oracle-constrained", "yesterday planned", "yesterday planned, reactive net"]
 
 
 def variant_runs(series, prof, K: float) -> dict:
@@ -63,8 +70,20 @@ def variant_runs(series, prof, K: float) -> dict:
         topos, _ = auto_topologies(series, table, ev.rates, ev.scale, replace(cfg0, **over),
                                    table.fixed_best, knows_next=knows)
         ev.runs[name] = account(table, ev.rates, ev.window_s, day_idx, int(day_idx.max()) + 1, name, topos)
+    # day-ahead plans on yesterday: the constrained DP on the rates one day earlier (day 0 and
+    # yesterday's missing windows: the host's capacity, so the whole host); a window's plan uses
+    # only rates observed before its day began
+    n, dn = len(ev.rates), int(round(DAY_S / ev.window_s))
+    fc = np.full(n, np.nan)
+    fc[dn:] = ev.rates[:n - dn]
+    fc = np.where(np.isnan(fc), table.slo_cap[table.fixed_best], fc)  # day 0, yesterday's gaps: the host
+    plan = constrained_oracle_topologies(table, fc, ev.window_s, day_idx, table.fixed_best, cfg0.attainment_bar,
+                                         cfg0.max_switches_per_day)
+    net = [p if table.slo_cap[p] >= table.slo_cap[q] else q for p, q in zip(plan, ev.runs["reactive"].topologies)]
+    for name, topos in (("yesterday planned", plan), ("yesterday planned, reactive net", net)):
+        ev.runs[name] = account(table, ev.rates, ev.window_s, day_idx, int(day_idx.max()) + 1, name, topos)
     out = {"reactive": round(ev.gpu_hours_fraction("reactive"), 6), "oracle": round(ev.gpu_hours_fraction("oracle"), 6)}
-    for name in [v[0] for v in VARIANTS] + ["oracle-constrained"]:
+    for name in NAMES:
         out[name] = dict(gpu_h=round(ev.gpu_hours_fraction(name), 6), worst_day=round(ev.relative_attainment(name)[1], 6),
                          max_day_switches=ev.runs[name].switches_max_day)
     return out
@@ -89,7 +108,7 @@ def main() -> None:
     for series, model, K, prof in grid_cases(a.traces, a.gpu):
         runs.append(dict(trace=series.name, set="tune" if series.name in TUNE else "held-out", model=model, K=K,
                          **variant_runs(series, prof, K)))
-    names = [v[0] for v in VARIANTS] + ["oracle-constrained"]
+    names = NAMES
     c = {n: counts(runs, n) for n in names}
     n, ns = len(runs), c[names[0]]["n_sav"]
     lines = [f"# How far would a perfect forecast take auto? ({a.gpu}x8 profiles, {n} grid runs)", "",
