@@ -563,7 +563,8 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     ``knows_next`` (a reference, not a policy; ``bench/policy_forecast_bound.py``): before each
     window auto is told that window's true rate and nothing more of the future — its forecast
     band, its scenarios and its recent samples are that rate (a missing window: no traffic), no
-    yesterday sample; every other rule (the bet on the error budget, the switch budget, the
+    yesterday sample, so the warm-up (which counts recent windows) never waits and the bet's peak
+    includes that rate; every other rule (the bet on the error budget, the switch budget, the
     dwell, the pace, the steps) works on what it observed, as before. What a perfect forecast of
     the next window, and only of it, would give auto's rules."""
     W, n = series.window_s, len(rates)
