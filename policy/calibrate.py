@@ -56,23 +56,23 @@ class CalibrationConfig:
     # reorders the topologies, so one noisy window must not set it; the span's bounds are
     # inclusive, so 1-h windows give it 2 from the second hour on)
     ttft_min_windows: int = 2
-    # where the span's windows disagree (3 or more of them), decide on the median's upper
-    # confidence bound rather than the median: median x exp(spread_z x 1.2533 x sigma /
-    # sqrt(n_eff)), sigma = 1.4826 x the request-weighted median absolute deviation of their log
-    # implied slowdowns from the median, n_eff their effective number (Kish, by requests);
+    # where the windows disagree, decide on the median's upper confidence bound rather than the
+    # median: median x exp(spread_z x 1.2533 x sigma / sqrt(n_eff)), sigma = 1.4826 x the
+    # request-weighted median absolute deviation of the log implied slowdowns from the median,
+    # over the last spread_windows windows at least (reaching before span_s when the span holds
+    # fewer, as 1-h windows do), n_eff the span's windows' effective number (Kish, by requests);
     # 1.2533 sigma / sqrt(n) is a median's standard error. 0: the median alone. Windows that
-    # agree (a steady host) move nothing; a span of fewer windows (1-h windows) keeps the median:
-    # reaching further back mixes hours of other loads and topologies into the spread, and the
-    # bound then overshoots (replayed: an Azure 2024 hourly day at 0.8955).
+    # agree (a steady host) move nothing.
     spread_z: float = 1.28
+    spread_windows: int = 6
 
     def __post_init__(self) -> None:
         if not (self.span_s > 0 and self.min_total >= 1 and self.min_requests >= 1
                 and 0 < self.step <= 0.5 and LO <= self.ceiling <= HI and self.ttft_min_windows >= 1
-                and 0 <= self.spread_z <= 4):
+                and 0 <= self.spread_z <= 4 and self.spread_windows >= 3):
             raise ValueError("span_s > 0, min_total >= 1, min_requests >= 1, 0 < step <= 0.5, "
                              f"ceiling within [{LO}, {HI}], ttft_min_windows >= 1, "
-                             "0 <= spread_z <= 4")
+                             "0 <= spread_z <= 4, spread_windows >= 3")
 
 
 @dataclass(frozen=True)
@@ -146,17 +146,20 @@ def calibrated_slowdown(observations: Iterable[Observation], now_s: float, floor
     requests or are fewer than ``min_windows`` (or calibration is off)."""
     if not cfg.enabled:
         return floor
-    use = [o for o in observations
-           if now_s - cfg.span_s - 1e-9 <= o.at_s <= now_s + 1e-9 and o.requests >= cfg.min_requests
-           and math.isfinite(o.implied)]
+    usable = sorted((o for o in observations if o.at_s <= now_s + 1e-9 and o.requests >= cfg.min_requests
+                     and math.isfinite(o.implied)), key=lambda o: o.at_s)
+    use = [o for o in usable if now_s - cfg.span_s - 1e-9 <= o.at_s]
     if sum(o.requests for o in use) < cfg.min_total or len(use) < min_windows:
         return floor
     s = np.array([o.implied for o in use])
     n = np.array([o.requests for o in use], dtype=float)
     est = _weighted_median(s, n)
-    if cfg.spread_z > 0 and len(use) >= 3:
-        sigma = 1.4826 * _weighted_median(np.abs(np.log(s) - math.log(est)), n)
-        est *= math.exp(cfg.spread_z * 1.2533 * sigma / math.sqrt(n.sum() ** 2 / float((n * n).sum())))
+    spread = usable[-max(len(use), cfg.spread_windows):]
+    if cfg.spread_z > 0 and len(spread) >= 3:
+        dev = np.abs(np.log([o.implied for o in spread]) - math.log(est))
+        sigma = 1.4826 * _weighted_median(dev, np.array([o.requests for o in spread], dtype=float))
+        n_eff = n.sum() ** 2 / float((n * n).sum())
+        est *= math.exp(cfg.spread_z * 1.2533 * sigma / math.sqrt(n_eff))
     est = round(round(est / cfg.step) * cfg.step, 6)
     return float(min(max(floor, est), max(floor, cfg.ceiling)))
 
