@@ -8,8 +8,7 @@ load x s) predicts ``s · tpot_p50(s · rate)``; the ``s`` that makes this equal
 observed is the window's *implied slowdown* (:func:`implied_slowdown`). The policy then decides on
 the profile taken as ``max(floor, median of the implied slowdowns of the last span_s)`` x slower,
 rounded to ``step`` (:func:`calibrated_slowdown`; the median weighs each window by its finished
-requests; where the windows disagree, the median's upper confidence bound: the noisier the
-evidence, the more careful) — ``floor`` being the operator's
+requests) — ``floor`` being the operator's
 ``--profile-slowdown``, so calibration only ever makes the policy more careful than configured,
 never less: a host that looks faster than its profile keeps the profile.
 
@@ -56,23 +55,12 @@ class CalibrationConfig:
     # reorders the topologies, so one noisy window must not set it; the span's bounds are
     # inclusive, so 1-h windows give it 2 from the second hour on)
     ttft_min_windows: int = 2
-    # where the windows disagree, decide on the median's upper confidence bound rather than the
-    # median: median x exp(spread_z x 1.2533 x sigma / sqrt(n_eff)), sigma = 1.4826 x the
-    # request-weighted median absolute deviation of the log implied slowdowns from the median,
-    # over the last spread_windows windows at least (reaching before span_s when the span holds
-    # fewer, as 1-h windows do), n_eff the span's windows' effective number (Kish, by requests);
-    # 1.2533 sigma / sqrt(n) is a median's standard error. 0: the median alone. Windows that
-    # agree (a steady host) move nothing.
-    spread_z: float = 1.28
-    spread_windows: int = 6
 
     def __post_init__(self) -> None:
         if not (self.span_s > 0 and self.min_total >= 1 and self.min_requests >= 1
-                and 0 < self.step <= 0.5 and LO <= self.ceiling <= HI and self.ttft_min_windows >= 1
-                and 0 <= self.spread_z <= 4 and self.spread_windows >= 3):
+                and 0 < self.step <= 0.5 and LO <= self.ceiling <= HI and self.ttft_min_windows >= 1):
             raise ValueError("span_s > 0, min_total >= 1, min_requests >= 1, 0 < step <= 0.5, "
-                             f"ceiling within [{LO}, {HI}], ttft_min_windows >= 1, "
-                             "0 <= spread_z <= 4, spread_windows >= 3")
+                             f"ceiling within [{LO}, {HI}], ttft_min_windows >= 1")
 
 
 @dataclass(frozen=True)
@@ -132,34 +120,21 @@ def _invert(f, target: float) -> float:  # noqa: ANN001 - f: non-decreasing floa
     return math.exp(0.5 * (lo + hi))
 
 
-def _weighted_median(x: np.ndarray, w: np.ndarray) -> float:
-    order = np.argsort(x, kind="stable")
-    return float(x[order][np.searchsorted(np.cumsum(w[order]), 0.5 * w.sum())])
-
-
 def calibrated_slowdown(observations: Iterable[Observation], now_s: float, floor: float,
                         cfg: CalibrationConfig, min_windows: int = 1) -> float:
     """The slowdown to decide on: ``max(floor, median implied slowdown over the last span_s)`` —
-    the median of the windows weighted by their finished requests, raised to its upper
-    confidence bound where the windows disagree (``cfg.spread_z``) — rounded to ``cfg.step``, at
+    the median of the windows weighted by their finished requests — rounded to ``cfg.step``, at
     most ``cfg.ceiling``; ``floor`` while those windows hold fewer than ``cfg.min_total``
     requests or are fewer than ``min_windows`` (or calibration is off)."""
     if not cfg.enabled:
         return floor
-    usable = sorted((o for o in observations if o.at_s <= now_s + 1e-9 and o.requests >= cfg.min_requests
-                     and math.isfinite(o.implied)), key=lambda o: o.at_s)
-    use = [o for o in usable if now_s - cfg.span_s - 1e-9 <= o.at_s]
-    if sum(o.requests for o in use) < cfg.min_total or len(use) < min_windows:
+    use = [(o.implied, o.requests) for o in observations
+           if now_s - cfg.span_s - 1e-9 <= o.at_s <= now_s + 1e-9 and o.requests >= cfg.min_requests
+           and math.isfinite(o.implied)]
+    if sum(n for _, n in use) < cfg.min_total or len(use) < min_windows:
         return floor
-    s = np.array([o.implied for o in use])
-    n = np.array([o.requests for o in use], dtype=float)
-    est = _weighted_median(s, n)
-    spread = usable[-max(len(use), cfg.spread_windows):]
-    if cfg.spread_z > 0 and len(spread) >= 3:
-        dev = np.abs(np.log([o.implied for o in spread]) - math.log(est))
-        sigma = 1.4826 * _weighted_median(dev, np.array([o.requests for o in spread], dtype=float))
-        n_eff = n.sum() ** 2 / float((n * n).sum())
-        est *= math.exp(cfg.spread_z * 1.2533 * sigma / math.sqrt(n_eff))
+    s, n = np.array(sorted(use)).T
+    est = float(s[np.searchsorted(np.cumsum(n), 0.5 * n.sum())])
     est = round(round(est / cfg.step) * cfg.step, 6)
     return float(min(max(floor, est), max(floor, cfg.ceiling)))
 

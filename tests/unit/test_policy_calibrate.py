@@ -66,33 +66,6 @@ def test_the_calibrated_slowdown_is_a_request_weighted_median_never_below_the_fl
         CalibrationConfig(step=0)
 
 
-def test_windows_that_disagree_raise_the_slowdown_to_the_medians_upper_confidence_bound():
-    """The noisier the evidence, the more careful: the median x exp(z x 1.2533 x sigma /
-    sqrt(n_eff)), sigma from the median absolute deviation of the log implied slowdowns over at
-    least ``spread_windows`` windows (reaching before the span when it holds fewer, as with 1-h
-    windows); windows that agree, or ``spread_z`` 0, give the median."""
-    cfg = CalibrationConfig(step=0.001)
-    vals = (1.1, 1.2, 1.3, 1.25, 1.15, 1.2)
-    obs = [_obs(600 * (i + 1), v) for i, v in enumerate(vals)]  # 10-min windows, 50 requests each
-    med = 1.2
-    dev = sorted(abs(math.log(v / med)) for v in vals)
-    sigma = 1.4826 * dev[2]  # the weighted median: the third of six equal weights
-    want = med * math.exp(1.28 * 1.2533 * sigma / math.sqrt(6))
-    got = calibrated_slowdown(obs, 3600, 1.0, cfg)
-    assert got == pytest.approx(want, abs=0.001) and got > med + 0.02
-    assert calibrated_slowdown(obs, 3600, 1.0, CalibrationConfig(step=0.001, spread_z=0)) == pytest.approx(med)
-    steady = [_obs(600 * (i + 1), 1.2) for i in range(6)]
-    assert calibrated_slowdown(steady, 3600, 1.0, cfg) == pytest.approx(1.2)
-    # 1-h windows: the span holds two, the spread comes from the last six
-    hourly = [_obs(3600 * (i + 1), v) for i, v in enumerate(vals)]
-    two = calibrated_slowdown(hourly, 6 * 3600, 1.0, cfg)
-    assert two > calibrated_slowdown(hourly, 6 * 3600, 1.0, CalibrationConfig(step=0.001, spread_z=0))
-    assert calibrated_slowdown(hourly[-2:], 6 * 3600, 1.0, cfg) == pytest.approx(1.15)  # too few for a spread: the median
-    for bad in (dict(spread_z=-1), dict(spread_z=5), dict(spread_windows=2)):
-        with pytest.raises(ValueError, match="spread"):
-            CalibrationConfig(**bad)
-
-
 @pytest.mark.parametrize("t", [0.8, 1.0, 1.15, 1.5])
 def test_the_implied_ttft_slowdown_inverts_a_profile_calibrated_on_its_ttft(t):
     """A host whose TTFT is the profile's taken as t x slower (and its TPOT as the profile's):
