@@ -35,14 +35,14 @@ def excess_by_reason(ev) -> dict[str, float]:
     GPU-hours over its observed windows (``ev``: a ``run_savings`` result with auto and oracle)."""
     auto, orc = ev.runs["auto"], ev.runs["oracle"]
     seen = ~np.isnan(ev.rates)
-    host = max(t.world_size for t in ev.slo_capacity) * float(seen.sum())
+    per_gpu = ev.window_s / ev.runs["fixed-best"].gpu_s  # a GPU for one window, as the fractions count it
     out: dict[str, float] = collections.defaultdict(float)
     # the first window has no decision (a node starts on the whole host); window w >= 1 holds
     # what decision w - 1 chose
     reasons = ["start"] + [d.reason for d in auto.decisions]
     for w, reason in enumerate(reasons):
         if seen[w]:
-            out[reason] += (auto.topologies[w].world_size - orc.topologies[w].world_size) / host
+            out[reason] += (auto.topologies[w].world_size - orc.topologies[w].world_size) * per_gpu
     return dict(out)
 
 

@@ -28,6 +28,7 @@ knowing the day ahead reaches.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import replace
@@ -66,10 +67,11 @@ def variant_runs(series, prof, K: float) -> dict:
     table = capacity_table(prof, ev.slo, cfg0.attainment_bar)
     t0 = float(series.t_start_s[0])
     day_idx = ((np.asarray(series.t_start_s) - t0) // DAY_S).astype(int)
+    acc = functools.partial(account, table, ev.rates, ev.window_s, day_idx, int(day_idx.max()) + 1)
     for name, knows, over in VARIANTS:
         topos, _ = auto_topologies(series, table, ev.rates, ev.scale, replace(cfg0, **over),
                                    table.fixed_best, knows_next=knows)
-        ev.runs[name] = account(table, ev.rates, ev.window_s, day_idx, int(day_idx.max()) + 1, name, topos)
+        ev.runs[name] = acc(name, topos)
     # day-ahead plans on yesterday: the constrained DP on the rates one day earlier (day 0 and
     # yesterday's missing windows: the host's capacity, so the whole host); a window's plan uses
     # only rates observed before its day began
@@ -81,7 +83,7 @@ def variant_runs(series, prof, K: float) -> dict:
                                          cfg0.max_switches_per_day)
     net = [p if table.slo_cap[p] >= table.slo_cap[q] else q for p, q in zip(plan, ev.runs["reactive"].topologies)]
     for name, topos in (("yesterday planned", plan), ("yesterday planned, reactive net", net)):
-        ev.runs[name] = account(table, ev.rates, ev.window_s, day_idx, int(day_idx.max()) + 1, name, topos)
+        ev.runs[name] = acc(name, topos)
     out = {"reactive": round(ev.gpu_hours_fraction("reactive"), 6), "oracle": round(ev.gpu_hours_fraction("oracle"), 6)}
     for name in NAMES:
         out[name] = dict(gpu_h=round(ev.gpu_hours_fraction(name), 6), worst_day=round(ev.relative_attainment(name)[1], 6),
@@ -108,24 +110,23 @@ def main() -> None:
     for series, model, K, prof in grid_cases(a.traces, a.gpu):
         runs.append(dict(trace=series.name, set="tune" if series.name in TUNE else "held-out", model=model, K=K,
                          **variant_runs(series, prof, K)))
-    names = NAMES
-    c = {n: counts(runs, n) for n in names}
-    n, ns = len(runs), c[names[0]]["n_sav"]
+    c = {x: counts(runs, x) for x in NAMES}
+    n, ns = len(runs), c[NAMES[0]]["n_sav"]
     lines = [f"# How far would a perfect forecast take auto? ({a.gpu}x8 profiles, {n} grid runs)", "",
              f"`python {' '.join(sys.argv)}`; loose = {', '.join(f'{k} {v}' for k, v in LOOSE.items())}.", "",
              f"| auto variant | every day ≥ 99 % (worst) | ≤ 12 switches every day | beats reactive (of {ns}) | "
              f"captures ≥ 80 % of the oracle (of {ns}) | of them with every day kept | mean GPU-h |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for name in names:
+    for name in NAMES:
         x = c[name]
         lines.append(f"| {name} | {x['days']}/{n} ({x['worst']:.4f}) | {x['switches']}/{n} | {x['beat']} | "
                      f"{x['capture']} | {x['capture_compliant']} | {x['mean']:.3f} |")
-    lines += ["", "| trace | model | K | reactive | oracle | " + " | ".join(names) + " |",
-              "|---|---|---|---:|---:|" + "---:|" * len(names)]
+    lines += ["", "| trace | model | K | reactive | oracle | " + " | ".join(NAMES) + " |",
+              "|---|---|---|---:|---:|" + "---:|" * len(NAMES)]
     for r in runs:
         lines.append(f"| {r['trace']} | {r['model']} | {r['K']} | {r['reactive']:.3f} | {r['oracle']:.3f} | "
                      + " | ".join(f"{r[x]['gpu_h']:.3f}" + ("" if r[x]['worst_day'] >= 0.99 else " ✗")
-                                  for x in names) + " |")
+                                  for x in NAMES) + " |")
     lines += ["", "✗: a day below 99 %."]
     write_results(a.out, "\n".join(lines) + "\n", t0, runs=runs, counts=c)
 

@@ -51,7 +51,7 @@ def grid_cases(traces: str, gpu: str):
 def scale_overrides(items: list[str]) -> dict:
     """``--set FIELD=VALUE`` items as ``ScaleConfig`` keyword arguments, each VALUE parsed as its
     field's type (bool: true/false); an unknown field or a value of the wrong type is a ValueError."""
-    fields = {f.name: f for f in dataclasses.fields(ScaleConfig)}
+    fields = {f.name for f in dataclasses.fields(ScaleConfig)}
     out: dict = {}
     for item in items:
         name, sep, value = item.partition("=")
