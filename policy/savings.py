@@ -596,6 +596,7 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     day_of = ((series.t_start_s - t0) // DAY_S).astype(int)
     lost = np.zeros(n)
     burst_n = cfg.windows(cfg.burst_span_s, W)
+    recent_n = cfg.windows(cfg.bet_recent_s, W) if cfg.bet_recent_s > 0 else 0
     rises = burst_rises(rates, peak_n, 1.0 + cfg.bet_growth_max)
     for w in range(n):
         if w > 0 and cal is not None:
@@ -650,7 +651,7 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             obs = ~np.isnan(day)  # fixed-best's mean in-SLO rate over the last 24 h
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
-            grow = observed_growth(day, peak_n, cfg.bet_growth_quantile)
+            grow = observed_growth(day, peak_n, cfg.bet_growth_quantile, recent_n)
             lo_b = max(0, w - burst_n)  # observed_burst of the span before w, from the rises computed once
             burst = (span_burst(rises[lo_b:max(lo_b, w - peak_n)], w - lo_b, peak_n)
                      if cfg.burst_span_s > 0 else math.nan)

@@ -24,8 +24,9 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   is <= ``budget_share`` x the day's remaining SLO error budget (argument ``error_budget``,
   requests), and it covers the absolute floor ``floor_rps``. The bet's growth g is
   ``bet_growth``, or the ``bet_growth_quantile`` of the jumps the last 24 h showed
-  (``observed_growth``: a window's rate over the peak of the ``peak_s`` before it) where that is
-  larger, at most ``bet_growth_max``: traffic that has leapt before is bet to leap again. Where
+  (``observed_growth``: a window's rate over the peak of the ``peak_s`` before it), or the
+  largest jump of the last ``bet_recent_s`` (30 min), where that is larger, at most
+  ``bet_growth_max``: traffic that has leapt before is bet to leap again. Where
   the last ``burst_span_s`` (2 days) held a burst — a window above (1 + ``bet_growth_max``) x
   the peak of the hour before it — the bet is at least that peak plus the largest such rise in
   req/s (``observed_burst``): batch-job bursts on a quiet service are absolute, not a ratio of
@@ -128,6 +129,10 @@ class ScaleConfig:
     # whose rate has tripled within an hour before is bet to do so again (0: bet_growth alone)
     bet_growth_quantile: float = 0.99
     bet_growth_max: float = 1.0
+    # ... and at least the largest jump of the last bet_recent_s (0: the quantile alone): a day's
+    # 0.99 quantile is about its second-largest jump, so a leap seen within the hour is bet to come
+    # again while it is fresh, not only once it has happened twice
+    bet_recent_s: float = 1800.0
     # bursts: a window above (1 + bet_growth_max) x the peak of the peak_s before it; the largest
     # such rise (req/s) of the last burst_span_s is added to the bet's peak: traffic that took
     # batch-job bursts (a rise no ratio of a quiet hour foresees) is bet to take one again, for
@@ -145,8 +150,9 @@ class ScaleConfig:
             raise ValueError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         if self.sizing not in ("risk", "band"):
             raise ValueError(f"unknown sizing {self.sizing!r}: risk or band")
-        if not (0 <= self.bet_growth_quantile <= 1 and self.bet_growth_max >= self.bet_growth):
-            raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth")
+        if not (0 <= self.bet_growth_quantile <= 1 and self.bet_growth_max >= self.bet_growth
+                and self.bet_recent_s >= 0):
+            raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth, bet_recent_s >= 0")
         if not self.burst_span_s >= 0:
             raise ValueError("burst_span_s >= 0")
         if not (0 <= self.burst_rps < math.inf and self.min_gpus >= 0):
@@ -466,18 +472,26 @@ def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: flo
     return None
 
 
-def observed_growth(rates: np.ndarray, peak_n: int, quantile: float) -> float:
+def observed_growth(rates: np.ndarray, peak_n: int, quantile: float, recent: int = 0) -> float:
     """How far a window's rate rose above the highest of the ``peak_n`` windows before it
     (rate / that peak - 1), the ``quantile`` of it over ``rates`` (the last 24 h, oldest first,
-    NaN = missing, counted as no traffic); NaN with fewer than 6 such windows or quantile 0."""
+    NaN = missing, counted as no traffic); NaN with fewer than 6 such windows or quantile 0.
+    With ``recent`` > 0, at least the largest such rise of the last ``recent`` windows (where one
+    had a peak before it to measure against): a jump just seen is bet to come again, however rare
+    the day's quantile makes it."""
     x = np.nan_to_num(np.asarray(rates, dtype=float))
-    if quantile <= 0 or len(x) < peak_n + 6 or peak_n < 1:
+    if len(x) <= peak_n or peak_n < 1:
         return math.nan
     prev = np.lib.stride_tricks.sliding_window_view(x[:-1], peak_n).max(axis=1)
     ok = prev > 0
-    if ok.sum() < 6:
-        return math.nan
-    return float(np.quantile(x[peak_n:][ok] / prev[ok] - 1.0, quantile))
+    jumps = x[peak_n:] / np.where(ok, prev, 1.0) - 1.0
+    g = math.nan
+    if quantile > 0 and len(x) >= peak_n + 6 and ok.sum() >= 6:
+        g = float(np.quantile(jumps[ok], quantile))
+    if recent > 0 and ok[-recent:].any():
+        r = float(jumps[-recent:][ok[-recent:]].max())
+        g = r if math.isnan(g) else max(g, r)
+    return g
 
 
 def burst_rises(rates: np.ndarray, peak_n: int, ratio: float) -> np.ndarray:

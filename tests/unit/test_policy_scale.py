@@ -485,6 +485,24 @@ def test_the_bet_grows_with_the_jumps_the_last_day_showed(table):
     gap = smooth.copy()
     gap[60:66] = np.nan
     assert observed_growth(gap, 6, 1.0) == pytest.approx(observed_growth(smooth, 6, 1.0), abs=0.05)
+    # a jump seen within the last bet_recent_s counts at once: the day's 0.99 quantile is about
+    # its second-largest jump, so one leap alone barely moves it (the H200 stress run m-large 7B
+    # reversed K = 1.2 stayed on 4 GPUs after its load doubled in one window; the next window
+    # rose 1.5x more and took the day below 99 %; betting the fresh leap, auto scales up first)
+    fresh = smooth.copy()
+    fresh[140] = 2.5 * fresh[134:140].max()
+    leap = fresh[140] / fresh[134:140].max() - 1
+    assert observed_growth(fresh, 6, 0.99) < 0.5 * leap
+    assert observed_growth(fresh, 6, 0.99, recent=6) == pytest.approx(leap)
+    old = smooth.copy()
+    old[130] = 2.5 * old[124:130].max()  # over an hour ago: out of the recent span
+    assert observed_growth(old, 6, 0.99, recent=6) < 0.1
+    # the recent jump counts even where the quantile has too little history, never where no
+    # window had a peak before it
+    assert observed_growth(fresh[130:], 6, 0.99, recent=6) == pytest.approx(leap)
+    assert np.isnan(observed_growth(np.zeros(20), 6, 0.99, recent=6))
+    with pytest.raises(ValueError):
+        ScaleConfig(bet_recent_s=-1.0)
     # a decision: world 4 passes the 10 % bet but not a 50 % one
     w4 = max((t for t in table.order if t.world_size == 4), key=lambda t: table.slo_cap[t])
     sc, W = table.scorer, 600.0
@@ -692,3 +710,29 @@ def test_auto_told_the_next_window_scales_up_before_a_jump_not_after():
     assert table.slo_cap[causal[jump]] < ev.rates[jump] <= table.slo_cap[causal[jump + 1]]
     assert table.slo_cap[told[jump]] >= ev.rates[jump]
     assert decisions[jump - 1].reason == "scale-up" and len(decisions) == len(t) - 1
+
+
+def test_after_a_leap_auto_sizes_for_another_while_it_is_fresh():
+    """``bet_recent_s`` in the replay: 10 quiet hours, then one window at 1.7x and the next at 2.5x
+    the quiet rate. The day's 0.99 quantile of jumps does not see one leap; the jump of the last
+    30 min does. Betting it, auto holds a topology covering the second leap in that very window;
+    with the quantile alone (``bet_recent_s`` 0) it meets it short of capacity and the day keeps
+    fewer in-SLO requests."""
+    from policy.savings import capacity_table
+
+    W = 600.0
+    t = np.arange(0, 86400, W)
+    j = int(10 * 3600 / W)
+    r = np.full(len(t), 10.0)
+    r[j], r[j + 1:j + 12] = 17.0, 25.0
+    series = WindowSeries("leap", W, t, r * W, np.zeros(len(t), bool))
+    prof = load_profile("h100x8-llama2-7b")
+    runs = {s: run_savings(series, prof, load_scale=0.9, config=ScaleConfig(bet_recent_s=s),
+                           policies=("fixed-best", "auto")) for s in (1800.0, 0.0)}
+    table = capacity_table(prof, runs[0.0].slo, 0.99)
+    rate = runs[0.0].rates[j + 1]
+    fresh, quantile = (runs[s].runs["auto"].topologies[j + 1] for s in (1800.0, 0.0))
+    assert table.slo_cap[quantile] < rate <= table.slo_cap[fresh]
+    assert runs[1800.0].runs["auto"].topologies[j] == runs[0.0].runs["auto"].topologies[j]
+    assert runs[1800.0].attainment_by_day("auto")[0] > runs[0.0].attainment_by_day("auto")[0] >= 0.99
+    assert ScaleConfig().bet_recent_s == 1800.0
