@@ -130,8 +130,8 @@ class ScaleConfig:
     bet_growth_quantile: float = 0.99
     bet_growth_max: float = 1.0
     # ... and at least the largest jump of the last bet_recent_s (0: the quantile alone): a day's
-    # 0.99 quantile is about its second-largest jump, so a leap seen within the hour is bet to come
-    # again while it is fresh, not only once it has happened twice
+    # 0.99 quantile is about its second-largest jump, so a leap seen in the last 30 min is bet to
+    # come again while it is fresh, not only once it has happened twice
     bet_recent_s: float = 1800.0
     # bursts: a window above (1 + bet_growth_max) x the peak of the peak_s before it; the largest
     # such rise (req/s) of the last burst_span_s is added to the bet's peak: traffic that took
