@@ -487,8 +487,9 @@ def test_the_bet_grows_with_the_jumps_the_last_day_showed(table):
     assert observed_growth(gap, 6, 1.0) == pytest.approx(observed_growth(smooth, 6, 1.0), abs=0.05)
     # a jump seen within the last bet_recent_s counts at once: the day's 0.99 quantile is about
     # its second-largest jump, so one leap alone barely moves it (the H200 stress run m-large 7B
-    # reversed K = 1.2 stayed on 4 GPUs after its load doubled in one window; the next window
-    # rose 1.5x more and took the day below 99 %; betting the fresh leap, auto scales up first)
+    # reversed K = 1.2 stayed on 4 GPUs after its load doubled in one window; 20 min later it rose
+    # to 1.5x the hour's peak and took the day below 99 %; betting the fresh leap, auto scales up
+    # first)
     fresh = smooth.copy()
     fresh[140] = 2.5 * fresh[134:140].max()
     leap = fresh[140] / fresh[134:140].max() - 1
