@@ -596,7 +596,7 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     day_of = ((series.t_start_s - t0) // DAY_S).astype(int)
     lost = np.zeros(n)
     burst_n = cfg.windows(cfg.burst_span_s, W)
-    recent_n = cfg.windows(cfg.bet_recent_s, W) if cfg.bet_recent_s > 0 else 0
+    recent_n = cfg.bet_recent_windows(W)
     rises = burst_rises(rates, peak_n, 1.0 + cfg.bet_growth_max)
     for w in range(n):
         if w > 0 and cal is not None:

@@ -175,6 +175,10 @@ class ScaleConfig:
     def windows(self, span_s: float, window_s: float) -> int:
         return max(1, int(math.ceil(span_s / window_s - 1e-9)))
 
+    def bet_recent_windows(self, window_s: float) -> int:
+        """The windows whose jumps count at once in the bet (``observed_growth``'s ``recent``; 0: off)."""
+        return self.windows(self.bet_recent_s, window_s) if self.bet_recent_s > 0 else 0
+
 
 class CapacityTable:
     """SLO capacities, cost order and TPOTs of one profile under one SLO (precomputed once)."""
@@ -486,7 +490,7 @@ def observed_growth(rates: np.ndarray, peak_n: int, quantile: float, recent: int
     ok = prev > 0
     jumps = x[peak_n:] / np.where(ok, prev, 1.0) - 1.0
     g = math.nan
-    if quantile > 0 and len(x) >= peak_n + 6 and ok.sum() >= 6:
+    if quantile > 0 and ok.sum() >= 6:
         g = float(np.quantile(jumps[ok], quantile))
     if recent > 0 and ok[-recent:].any():
         r = float(jumps[-recent:][ok[-recent:]].max())

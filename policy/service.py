@@ -315,8 +315,7 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
     whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
     day_peak = float(day.max()) if whole_day and day.size else math.nan
     # its jumps (missing windows count as no traffic, as in a replay)
-    growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile,
-                             cfg.windows(cfg.bet_recent_s, W) if cfg.bet_recent_s > 0 else 0)
+    growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile, cfg.bet_recent_windows(W))
     burst = math.nan
     if cfg.burst_span_s > 0:
         burst = observed_burst(r_all[t_all >= now_s - cfg.burst_span_s - 1e-9], peak_n, 1.0 + cfg.bet_growth_max)

@@ -514,8 +514,9 @@ def test_scale_inputs_recent_peak_and_yesterdays_slot():
     assert inp.day_peak == max(day)
     assert math.isnan(short.day_peak)
     # the bet's growth from the last 24 h's jumps, the replay's way (missing windows: no traffic)
-    # and at least the largest jump of the last hour (bet_recent_s: 6 windows)
-    assert inp.growth == pytest.approx(observed_growth(np.array(rates[n - 144:]), 6, c.bet_growth_quantile, 6))
+    # and at least the largest jump of the last bet_recent_s (30 min: 3 windows)
+    assert c.bet_recent_windows(Wd) == 3 and ScaleConfig(bet_recent_s=0.0).bet_recent_windows(Wd) == 0
+    assert inp.growth == pytest.approx(observed_growth(np.array(rates[n - 144:]), 6, c.bet_growth_quantile, 3))
     quantile_only = scale_inputs(hist, Wd, replace(c, bet_recent_s=0.0), table, n * Wd).growth
     assert quantile_only == pytest.approx(observed_growth(np.array(rates[n - 144:]), 6, c.bet_growth_quantile))
     # the burst memory spans burst_span_s (2 days), not the last 24 h
