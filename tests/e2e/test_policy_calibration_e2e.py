@@ -108,4 +108,7 @@ async def test_the_policy_finds_a_real_engine_slower_than_its_profile(stack, art
     assert s == pytest.approx(min(ratio, 4.0), rel=0.25), (s, ratio, observed_ms)
     assert rec.objective == "gpu-hours" and s >= 1.5
     assert ttft_ratio > 1.5, (ttft_ms, CLAIMED_TTFT_MS)
-    assert t == pytest.approx(min(ttft_ratio, 4.0), rel=0.3), (t, ttft_ratio, ttft_ms)
+    # the TPOT's slowdown is the TTFT's floor (policy/calibrate.py): where this host's decode is
+    # slower against its profile than its TTFT is (CI's 2 cores at times: s 3.675, TTFT 2.81x),
+    # the TTFT is taken s x slower, not 2.81x
+    assert t == pytest.approx(max(s, min(ttft_ratio, 4.0)), rel=0.3), (t, s, ttft_ratio, ttft_ms)
