@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="gpu-hours / latency: auto sizes for a burst of this many req/s (of the "
                     "replayed, load-scaled traffic) from the first window (default 0)")
     ev.add_argument("--min-gpus", type=int, default=0, help="gpu-hours: auto never holds fewer GPUs")
+    ev.add_argument("--hard-switch-budget", action="store_true",
+                    help="gpu-hours: auto never goes over --max-switches-per-day in any 24 h (by "
+                    "default one scale-up over it is allowed when the day's SLO bar is at stake)")
     ev.add_argument("--json", action="store_true", help="last line: one JSON object")
     ev.add_argument("--png", metavar="FILE", default=None,
                     help="gpu-hours, latency: also draw one day to FILE (PNG): load, the topology "
@@ -154,6 +157,9 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--burst-rps", type=float, help="gpu-hours / latency: a burst of this many "
                     "req/s may come at any time (batch jobs); sized for from the start (default 0)")
     sv.add_argument("--min-gpus", type=int, help="gpu-hours: never fewer GPUs than this (default 0)")
+    sv.add_argument("--hard-switch-budget", action="store_const", const=True, default=None,
+                    help="gpu-hours: never more than --max-switches-per-day in any 24 h (by default "
+                    "one scale-up over it is allowed when the day's SLO bar is at stake)")
     sv.add_argument("--tick-seconds", type=float)
     sv.add_argument("--window-seconds", type=float)
     sv.add_argument("--horizon-seconds", type=float)
@@ -300,6 +306,8 @@ def _savings_table(ev, cfg=None) -> str:  # noqa: ANN001 - SavingsEvaluation, Sc
         told.append(f"a declared burst of {cfg.burst_rps:g} req/s")
     if cfg is not None and cfg.min_gpus > 0:
         told.append(f"at least {cfg.min_gpus} GPUs")
+    if cfg is not None and not cfg.over_budget_up:
+        told.append(f"a hard limit of {cfg.max_switches_per_day} switches in any 24 h")
     lines = [f"trace {ev.trace}: {ev.windows} windows of {ev.window_s:g} s ({ev.days:.2f} days); profile "
              f"{ev.profile}; objective {ev.objective}; load scale K={ev.load_scale:g} (peak = K x "
              f"{ev.fixed_best}'s SLO capacity; the trace's rates x {ev.scale:.4g}); SLO TTFT "
@@ -346,7 +354,8 @@ def cmd_savings(args) -> int:
                           min_dwell_s=base.min_dwell_s if args.min_dwell_s is None else args.min_dwell_s,
                           max_switches_per_day=args.max_switches_per_day or base.max_switches_per_day,
                           horizon_s=args.horizon_s or base.horizon_s,
-                          burst_rps=args.burst_rps, min_gpus=args.min_gpus)
+                          burst_rps=args.burst_rps, min_gpus=args.min_gpus,
+                          over_budget_up=not args.hard_switch_budget)
         ev = run_savings(series, profile, args.objective, args.load_scale, slo, cfg)
         if args.png:
             from policy.savings_plot import render_png

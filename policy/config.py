@@ -66,6 +66,11 @@ class PolicySettings(BaseSettings):
                              "as a burst the policy has seen is for 2 days (0: none)")
     min_gpus: int = Field(0, ge=0, le=4096, description="gpu-hours: never fewer GPUs than this "
                           "(0: no floor)")
+    hard_switch_budget: bool = Field(False, description="gpu-hours: max_switches_per_day is a "
+                                     "hard limit in every 24 h; by default, with no switch left, "
+                                     "a scale-up still goes (one over, to the largest) when one "
+                                     "window at the bet would spend the day's whole SLO error "
+                                     "budget left")
     hysteresis: float = Field(PolicyConfig.hysteresis, ge=0, description="goodput only")
     dwell_override: float = Field(PolicyConfig.dwell_override, gt=0, description="goodput only")
     retry_backoff_seconds: float = Field(30.0, ge=0, description="after a Reconfigure that did not "
@@ -113,4 +118,4 @@ class PolicySettings(BaseSettings):
                            max_switches_per_day=d.max_switches_per_day
                            if not self.max_switches_per_day else self.max_switches_per_day,
                            loss_budget=self.loss_budget, burst_rps=self.burst_rps,
-                           min_gpus=self.min_gpus)
+                           min_gpus=self.min_gpus, over_budget_up=not self.hard_switch_budget)

@@ -58,5 +58,7 @@ def test_cli_replays_with_the_operators_floor_and_declared_burst(tmp_path, capsy
     assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--burst-rps", "2.5", "--min-gpus", "2"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert "the trace's rates x " in head and "auto told: a declared burst of 2.5 req/s, at least 2 GPUs" in head
+    assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--hard-switch-budget"]) == 0
+    assert "a hard limit of 12 switches in any 24 h" in capsys.readouterr().out.splitlines()[0]
     assert main(["evaluate", "--trace", str(tmp_path / "c.csv"), "--burst-rps", "-1"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -547,6 +547,8 @@ def test_settings_objective_defaults():
     # the operator's knowledge: a declared burst and a GPU floor reach the core
     op = PolicySettings(controller="127.0.0.1:1", burst_rps=12.5, min_gpus=4).scale_config()
     assert (op.burst_rps, op.min_gpus) == (12.5, 4)
+    assert op.over_budget_up and not PolicySettings(controller="127.0.0.1:1",
+                                                    hard_switch_budget=True).scale_config().over_budget_up
     assert (sc.burst_rps, sc.min_gpus) == (0.0, 0)
     for bad in ({"burst_rps": float("inf")}, {"burst_rps": -1}, {"min_gpus": -1}):
         with pytest.raises(ValueError):

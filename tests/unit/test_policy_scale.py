@@ -391,6 +391,15 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     assert d.switch and d.recommended == largest
     d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=1e9)
     assert not d.switch and d.reason == "hold-budget" and "absorbs" in d.text, d.text
+    # with the budget a hard limit (--hard-switch-budget), not even then; the text says which rule
+    hard = ScaleConfig(over_budget_up=False)
+    d = decide_scale(spent, now, y, band(y), table, hard, day_peak=day_peak, recent=np.full(3, y), error_budget=0.0)
+    assert not d.switch and d.reason == "hold-budget" and "hard limit" in d.text, d.text
+    # a scale-up called for by the bet alone (the expected loss within the loss budget) says so
+    z = 0.5 * table.slo_cap[w4]
+    d = decide_scale(spent, now, z, band(z), table, day_peak=day_peak, recent=np.full(3, z), error_budget=1.0,
+                     burst=table.slo_cap[largest])
+    assert d.switch and d.recommended == largest and "would lose" in d.text and "error budget left" in d.text, d.text
     with pytest.raises(ValueError):
         ScaleConfig(last_up="biggest")
     with pytest.raises(ValueError):
