@@ -199,3 +199,17 @@ def test_burstgpt_and_iso_stamped_azure_traces_are_read(tmp_path):
         read_trace(swapped)  # detection looks at the first column, as before
     s = read_trace(swapped, "azure2023")
     assert list(s.requests) == [1, 1, 1] and list(s.input_tokens) == [5, 5, 5]
+
+
+def test_the_outside_trace_in_bench_data_is_what_its_readme_says():
+    """``bench/data/servegen/servegen_m-small_10min.csv`` (ServeGen M-small, derived by
+    ``bench/servegen_aggregate.py``; replayed as a trace outside ../shared/traces): the bytes its
+    README names, read as a ServeGen trace of 14 days with its 37 collection gaps missing."""
+    import hashlib
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "data" / "servegen" / "servegen_m-small_10min.csv"
+    assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] == "8fced5f7a7b6c3ac"
+    s = read_trace(path)
+    assert (s.name, s.window_s, len(s), int(s.missing.sum())) == ("servegen_m-small_10min", 600.0, 2016, 37)
+    assert 3879 < np.nanmax(s.rates) < 3880  # day 11, about twice the first week's peaks
