@@ -598,24 +598,25 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
 
     now = ok(1)
     cur_bet = bet(cur)
-    up = (now.get(cur, math.inf) > eps or table.slo_cap.get(cur, 0.0) < cfg.floor_rps
-          or cur_bet > cfg.budget_share * error_budget or cur not in allowed)
-    # what calls for a scale-up, said as it is: the expected loss past the loss budget, or the bet
-    # (one window at the recent peak) past its share of the day's SLO error budget left
-    why_up = (f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}"
-              if now.get(cur, math.inf) > eps or cur_bet <= cfg.budget_share * error_budget else
-              f"one window at {peak:.3g} req/s would lose {cur_bet:.3g} requests on {cur}, more than "
-              f"{cfg.budget_share:g} x the day's SLO error budget left ({error_budget:.3g})")
-    if up and left <= 0 and (not cfg.over_budget_up
-                             or (table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and cur_bet <= error_budget)):
-        # no switch left in the rolling day: a scale-up goes over the budget only when the day's
-        # bar is at stake (one window at the bet would spend the whole SLO error budget left), not
-        # for an expected loss just past loss_budget; never with over_budget_up off
-        stake = ("the budget is a hard limit (over_budget_up off)" if not cfg.over_budget_up else
-                 f"the day's SLO error budget ({error_budget:.3g} requests) absorbs a window at the recent peak")
-        return out(cur, "hold-budget", f"{why_up}, but {used}/{cfg.max_switches_per_day} switches in 24 h and "
-                   f"{stake}", 0.0, "gpu-hours", 1, n_now)
-    if up:
+    over_loss = now.get(cur, math.inf) > eps
+    over_bet = cur_bet > cfg.budget_share * error_budget
+    if over_loss or over_bet or table.slo_cap.get(cur, 0.0) < cfg.floor_rps or cur not in allowed:
+        # what calls for the scale-up, said as it is: the expected loss past the loss budget, or
+        # the bet (one window at the recent peak) past its share of the day's SLO error budget left
+        why_up = (f"expected in-SLO loss {now.get(cur, 1.0):.2%} on {cur} > {eps:.2%}"
+                  if over_loss or not over_bet else
+                  f"one window at {peak:.3g} req/s would lose {cur_bet:.3g} requests on {cur}, more than "
+                  f"{cfg.budget_share:g} x the day's SLO error budget left ({error_budget:.3g})")
+        if left <= 0 and (not cfg.over_budget_up
+                          or (table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and cur_bet <= error_budget)):
+            # no switch left in the rolling day: a scale-up goes over the budget only when the
+            # day's bar is at stake (one window at the bet would spend the whole SLO error budget
+            # left), not for an expected loss just past loss_budget; never with over_budget_up off
+            stake = ("the budget is a hard limit (over_budget_up off)" if not cfg.over_budget_up else
+                     f"the day's SLO error budget ({error_budget:.3g} requests) absorbs a window at the "
+                     f"recent peak")
+            return out(cur, "hold-budget", f"{why_up}, but {used}/{cfg.max_switches_per_day} switches in 24 h "
+                       f"and {stake}", 0.0, "gpu-hours", 1, n_now)
         return _scale_up(out, table, cur, cheapest(ok(up_n)), up_n, W,
                          f"expected loss {now.get(cur, 1.0):.2%}", why_up, n_now, left, last_need)
     tgt = cheapest(now)
