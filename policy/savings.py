@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -569,6 +569,7 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
     the next window, and only of it, would give auto's rules."""
     W, n = series.window_s, len(rates)
     t0 = float(series.t_start_s[0])
+    cfg = replace(cfg, day_origin_s=t0)  # the calendar days this report counts
     H = cfg.windows(cfg.horizon_s, W)
     mean, upper, scen, fnames = forecast_bands(series, H, cfg.band_quantile)
     mean, upper = mean * scale, upper * scale

@@ -146,8 +146,12 @@ class ScaleConfig:
     min_gpus: int = 0
     # with no switch left in the rolling 24 h, a scale-up may still go (one over the budget, to
     # the largest) when one window at the bet would spend the day's whole SLO error budget left;
-    # off: max_switches_per_day is a hard limit in every 24 h
+    # off: max_switches_per_day is a hard limit in every 24 h. Either way a calendar day (from
+    # day_origin_s: UTC midnight; the replay sets its first window, as its report counts days)
+    # never gets more than max_switches_per_day: the over-budget switch goes only on a day that
+    # has fewer (the rolling 24 h filled by yesterday's)
     over_budget_up: bool = True
+    day_origin_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -607,12 +611,17 @@ def _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out,
                   if over_loss or not over_bet else
                   f"one window at {peak:.3g} req/s would lose {cur_bet:.3g} requests on {cur}, more than "
                   f"{cfg.budget_share:g} x the day's SLO error budget left ({error_budget:.3g})")
-        if left <= 0 and (not cfg.over_budget_up
+        day_start = now_s - (now_s - cfg.day_origin_s) % DAY_S
+        day_used = sum(1 for t in state.switch_times_s if t >= day_start)
+        if left <= 0 and (not cfg.over_budget_up or day_used >= cfg.max_switches_per_day
                           or (table.slo_cap.get(cur, 0.0) >= cfg.floor_rps and cur_bet <= error_budget)):
             # no switch left in the rolling day: a scale-up goes over the budget only when the
             # day's bar is at stake (one window at the bet would spend the whole SLO error budget
-            # left), not for an expected loss just past loss_budget; never with over_budget_up off
+            # left), not for an expected loss just past loss_budget, and only on a calendar day
+            # with fewer than the budget (so no day has more); never with over_budget_up off
             stake = ("the budget is a hard limit (over_budget_up off)" if not cfg.over_budget_up else
+                     f"this calendar day already has {day_used} (the most a day may have)"
+                     if day_used >= cfg.max_switches_per_day else
                      f"the day's SLO error budget ({error_budget:.3g} requests) absorbs a window at the "
                      f"recent peak")
             return out(cur, "hold-budget", f"{why_up}, but {used}/{cfg.max_switches_per_day} switches in 24 h "

@@ -385,9 +385,20 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     # no switch left (the last one went to the day's peak and load passed it): the largest, once
     # one window at the bet would spend the day's whole SLO error budget left; while the budget
     # absorbs it, the 12/day budget holds (an expected loss past loss_budget alone is not enough)
-    spent = PolicyState(w4, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(12)))
+    # (12 switches in the last 24 h, some of them on the calendar day before: now is 13.8 h past
+    # a UTC midnight, the switches 100 min apart)
+    spent = PolicyState(w4, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 6000 * k for k in range(12)))
     y = 1.2 * table.slo_cap[w4]
     d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=0.0)
+    assert d.switch and d.recommended == largest
+    # never a 13th on one calendar day: with all 12 since this day's start, the budget holds
+    # even then (days from day_origin_s: UTC midnight unless set, as the replay sets its start)
+    today = PolicyState(w4, last_switch_s=now - 600, switch_times_s=tuple(now - 600 - 60 * k for k in range(12)))
+    d = decide_scale(today, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=0.0)
+    assert not d.switch and d.reason == "hold-budget" and "this calendar day already has 12" in d.text, d.text
+    # the same switches on a day that starts 15 min ago (day_origin_s): yesterday's; it goes
+    moved = ScaleConfig(day_origin_s=now - 900)
+    d = decide_scale(today, now, y, band(y), table, moved, day_peak=day_peak, recent=np.full(3, y), error_budget=0.0)
     assert d.switch and d.recommended == largest
     d = decide_scale(spent, now, y, band(y), table, day_peak=day_peak, recent=np.full(3, y), error_budget=1e9)
     assert not d.switch and d.reason == "hold-budget" and "absorbs" in d.text, d.text
