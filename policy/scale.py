@@ -39,7 +39,9 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   peak (``last_up`` "day-peak", once a whole day is observed), else to the largest. With no
   switch left (load passed even that), to the largest, one switch over the day's budget, only
   when one window at the bet would spend the whole SLO error budget left ("hold-budget" until
-  then), and never with ``over_budget_up`` off (``--hard-switch-budget``: the budget a hard limit).
+  then), only on a calendar day (from ``day_origin_s``) with fewer than the budget, so no day
+  has more, and never with ``over_budget_up`` off (``--hard-switch-budget``: the budget a hard
+  limit in every 24 h).
 - **Scale down** (with ``step_down``, to no fewer GPUs than ``step_ratio`` x those held, or the
   next smaller world size when none lies between: 8 -> 6 -> 5 -> 4 -> 3 -> 2 -> 1 on a host with
   every world size, 8 -> 4 -> 2 -> 1 on one with 1, 2, 4, 8) when a smaller one qualifies,
