@@ -248,7 +248,7 @@ def compare(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dataclasses import replace
 
-    from policy.calibrate import implied_slowdown, implied_ttft_slowdown
+    from policy.calibrate import Z90, implied_slowdown, implied_ttft_slowdown
     from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source, topologies
     from policy.profiles import load_profile
 
@@ -296,6 +296,7 @@ def compare(a: argparse.Namespace) -> None:
             lines.append("")
         if res.get("load"):
             prof = load_profile(f"{g}x8-{res['model']}")
+            lognormal = []
             curve = next(c for c in prof.curves if str(c.topology) == str(topo))
             lines += ["| rate req/s | x model capacity | requests | vLLM TTFT p50 / p90 ms | model "
                       "TTFT p50 / p90 ms | vLLM TPOT p50 / p90 ms | model TPOT p50 / p90 ms | "
@@ -314,6 +315,12 @@ def compare(a: argparse.Namespace) -> None:
                 # profile's curve; the agent reports the means of a window's requests)
                 s_tpot = implied_slowdown(curve, ld["rate"], ld["tpot_mean_ms"] / 1e3)
                 s_ttft = implied_ttft_slowdown(curve, ld["rate"], ld["ttft_mean_ms"] / 1e3)
+                # the calibration reads a mean TTFT through a lognormal fitted to p50 and p90:
+                # that lognormal's mean from vLLM's own p50/p90, against vLLM's mean
+                p50, p90 = ld["ttft_p50_ms"], ld["ttft_p90_ms"]
+                sig = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
+                logn = p50 * math.exp(0.5 * sig * sig)
+                lognormal.append((ld["rate"], ld["ttft_mean_ms"], logn))
                 lines.append(f"| {ld['rate']} | {ld['rate'] / cap:.2f} | {ld['kept']} | "
                              f"{ld['ttft_p50_ms']:.0f} / {ld['ttft_p90_ms']:.0f} | {mq} | "
                              f"{ld['tpot_p50_ms']:.1f} / {ld['tpot_p90_ms']:.1f} | {mt} | "
@@ -324,8 +331,12 @@ def compare(a: argparse.Namespace) -> None:
                                                              "tpot_p50_ms", "tpot_p90_ms")},
                                  "model_value": None if q is None else
                                  [round(1e3 * x, 3) for x in q],
-                                 "implied_slowdown": [round(s_tpot, 4), round(s_ttft, 4)]})
-            lines.append("")
+                                 "implied_slowdown": [round(s_tpot, 4), round(s_ttft, 4)],
+                                 "ttft_mean_lognormal_ms": round(logn, 2)})
+            lines += ["", "The TTFT lognormal the calibration assumes (its mean from p50 and p90), on "
+                      "vLLM's own TTFTs: " + "; ".join(
+                          f"{r:g} req/s: mean {m:.0f} ms measured, {lg:.0f} ms by the lognormal "
+                          f"({lg / m:.2f}x)" for r, m, lg in lognormal), ""]
     text = "\n".join(lines) + "\n"
     if a.out:
         Path(a.out).write_text(text)
