@@ -3,8 +3,8 @@ against measurements where possible"; until now no vLLM had run on a GPU here).
 
 Two steps, on two machines:
 
-    # on the GPU host (any vLLM whose CUDA build matches its torch; 0.25.0 on torch 2.11+cu130
-    # was the one the borrowed GPUs could run, see docs/policy.md "vLLM on a GPU"):
+    # on the GPU host (any vLLM whose CUDA build matches its torch; on the borrowed GPUs, torch
+    # 2.11+cu130, that is 0.25.0, carried there by bench/vllm_gpu_bundle.sh):
     python bench/vllm_gpu_vs_model.py measure --model llama2-7b --rates 5.3,8.5 --out DIR
     # here (no vLLM needed; the project's model):
     python bench/vllm_gpu_vs_model.py compare DIR/vllm_llama2-7b.json --out bench/results/NAME.md
