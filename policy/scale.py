@@ -165,6 +165,8 @@ class ScaleConfig:
             raise ValueError("0 <= bet_growth_quantile <= 1, bet_growth_max >= bet_growth, bet_recent_s >= 0")
         if not self.burst_span_s >= 0:
             raise ValueError("burst_span_s >= 0")
+        if not math.isfinite(self.day_origin_s):
+            raise ValueError("day_origin_s: a finite time (s)")
         if not (0 <= self.burst_rps < math.inf and self.min_gpus >= 0):
             raise ValueError("burst_rps: a number >= 0; min_gpus >= 0")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
