@@ -12,6 +12,16 @@ def machine() -> str:
     return f"{platform.machine()} {platform.node()} cpus={len(os.sched_getaffinity(0))}"
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (None entries dropped), linearly interpolated; NaN when empty."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
 def emit(result: dict, out: Path | None, as_json: bool) -> None:
     """Write ``result`` to ``out`` (indented JSON) and, with ``as_json``, print it as the last
     line (one object)."""

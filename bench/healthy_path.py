@@ -55,7 +55,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import PauseMonitor, emit, machine  # noqa: E402
+from bench.common import PauseMonitor, emit, machine, pct  # noqa: E402
 
 from devstack.agentproc import (AgentProcess, ensure_credentials, favour_this_session,  # noqa: E402
                                free_port, stream_completion, terminate)
@@ -216,15 +216,6 @@ def server_metrics(http: str) -> dict[str, tuple[float, float]]:
         if total and count:
             out[name] = (float(total[0]), float(count[0]))
     return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def summarise(runs: list[dict]) -> dict:

@@ -38,6 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import pct  # noqa: E402  (stdlib only: it runs on the GPU host too)
+
 CONFIGS = {
     # HF Llama configs of the shapes policy/perfmodel.py models (weights are vLLM's dummy ones)
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
@@ -52,14 +56,6 @@ CONFIGS = {
                  max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5),
 }
 ENGINE = dict(max_num_batched_tokens=8192, max_num_seqs=1024, gpu_memory_utilization=0.9)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))
-    return xs[k]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +157,8 @@ def measure(a: argparse.Namespace) -> None:
 
     res: dict = {"model": a.model, "config": cfg, "engine": ENGINE,
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "gpu": (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"), "torch": torch.__version__,
-                 "vllm": vllm.__version__, "sections": a.sections}
+                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                 "torch": torch.__version__, "vllm": vllm.__version__, "sections": a.sections}
     path = out / f"vllm_{a.model}.json"
 
     def save() -> None:
@@ -245,7 +241,6 @@ def gpu_key(name: str) -> str:
 
 
 def compare(a: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dataclasses import replace
 
     from policy.calibrate import Z90, implied_slowdown, implied_ttft_slowdown
