@@ -148,6 +148,10 @@ def decode_step_ms(recs: list[dict]) -> tuple[float, int]:
 
 def measure(a: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    # vLLM's CUDA build samples with FlashInfer where it can; the bundle leaves FlashInfer out (a
+    # Llama with the FLASH_ATTN backend needs it for nothing else), and greedy requests do not
+    # sample (without this, 0.25.0's engine fails at start importing it: 2026-12-07, H100)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = CONFIGS[a.model]
@@ -189,6 +193,8 @@ def measure(a: argparse.Namespace) -> None:
     if "prefill" in a.sections:
         rows = []
         for s in ((64, 256) if a.model == "tiny" else (128, 512, 1024, 2048, 4096)):
+            if s >= cfg["max_position_embeddings"]:  # prompt + 1 token must fit (4096: Llama-2)
+                continue
             ts = []
             for _ in range(3):
                 rec = r.run([(0.0, s, 1)])[0]
@@ -316,17 +322,20 @@ def compare(a: argparse.Namespace) -> None:
                 sig = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
                 logn = p50 * math.exp(0.5 * sig * sig)
                 lognormal.append((ld["rate"], ld["ttft_mean_ms"], logn))
+                # NaN: above the profile curve's capacity, where calibration uses no window
+                sl = ("not used (above the profile's capacity)" if math.isnan(s_tpot) else
+                      f"{s_tpot:.3f} / {s_ttft:.3f}")
                 lines.append(f"| {ld['rate']} | {ld['rate'] / cap:.2f} | {ld['kept']} | "
                              f"{ld['ttft_p50_ms']:.0f} / {ld['ttft_p90_ms']:.0f} | {mq} | "
-                             f"{ld['tpot_p50_ms']:.1f} / {ld['tpot_p90_ms']:.1f} | {mt} | "
-                             f"{s_tpot:.3f} / {s_ttft:.3f} |")
+                             f"{ld['tpot_p50_ms']:.1f} / {ld['tpot_p90_ms']:.1f} | {mt} | {sl} |")
                 rows_out.append({"model": res["model"], "gpu": res["gpu"], "what": "load",
                                  "rate": ld["rate"], "capacity_model": round(cap, 3),
                                  "vllm": {k: ld[k] for k in ("ttft_p50_ms", "ttft_p90_ms",
                                                              "tpot_p50_ms", "tpot_p90_ms")},
                                  "model_value": None if q is None else
                                  [round(1e3 * x, 3) for x in q],
-                                 "implied_slowdown": [round(s_tpot, 4), round(s_ttft, 4)],
+                                 "implied_slowdown": None if math.isnan(s_tpot) else
+                                 [round(s_tpot, 4), round(s_ttft, 4)],
                                  "ttft_mean_lognormal_ms": round(logn, 2)})
             lines += ["", "The TTFT lognormal the calibration assumes (its mean from p50 and p90), on "
                       "vLLM's own TTFTs: " + "; ".join(

@@ -26,8 +26,9 @@ What it corrects and what not: a profile that is wrong by one factor on every en
 model's kernels slower or faster than the host's, the traffic's requests longer than the profile's
 reference request), and one whose prefill (TTFT) is wrong by another factor than its decode
 (TPOT). A TPOT error that shows only under load the host has not carried yet is not seen. Windows
-with fewer than ``min_requests`` finished requests, or across a switch (the requests finishing
-there ran partly on the old topology), are not used.
+with fewer than ``min_requests`` finished requests, across a switch (the requests finishing
+there ran partly on the old topology), or above the profile's capacity for the topology held (it
+predicts no latency there; an overloaded host would read as a slow one) are not used.
 """
 
 from __future__ import annotations
@@ -79,8 +80,13 @@ Z90 = 1.2815515655446004  # the standard normal's 0.9 quantile
 
 def implied_slowdown(curve: TopologyCurve, rate: float, tpot_s: float) -> float:
     """The ``s`` with ``s · tpot_p50(s · rate) = tpot_s`` on ``curve`` (the base profile's),
-    clamped into [0.25, 4]; NaN when the observation says nothing (no rate, no TPOT)."""
-    if not (math.isfinite(rate) and rate >= 0 and math.isfinite(tpot_s) and tpot_s > 0):
+    clamped into [0.25, 4]; NaN when the observation says nothing (no rate, no TPOT) or when the
+    window ran above the curve's own capacity: the profile predicts no latency there, and an
+    overloaded host's TPOT, held against the curve's at capacity, would read as a slower host
+    (vLLM on an H100 at 1.18x the model's capacity read as 1.12x slower while it was 0.81-0.89x
+    below it; bench/results/vllm_gpu_vs_model_h100-2026-12-07.md)."""
+    if not (math.isfinite(rate) and 0 <= rate <= curve.capacity_rps and math.isfinite(tpot_s)
+            and tpot_s > 0):
         return math.nan
     x, y = np.asarray(curve.load_rps), np.asarray(curve.tpot_p50_s)
     # non-decreasing in s (TPOT never falls with load)
@@ -98,8 +104,10 @@ def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
 
 def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float) -> float:
     """The ``s`` with ``mean_ttft(curve, rate, s) = ttft_s`` (the observed mean TTFT), clamped
-    into [0.25, 4]; NaN when the observation says nothing."""
-    if not (math.isfinite(rate) and rate >= 0 and math.isfinite(ttft_s) and ttft_s > 0):
+    into [0.25, 4]; NaN when the observation says nothing or the window ran above the curve's
+    capacity (as :func:`implied_slowdown`)."""
+    if not (math.isfinite(rate) and 0 <= rate <= curve.capacity_rps and math.isfinite(ttft_s)
+            and ttft_s > 0):
         return math.nan
     return _invert(lambda s: mean_ttft(curve, rate, s), ttft_s)
 
