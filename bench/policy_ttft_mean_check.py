@@ -5,10 +5,11 @@
 The agent reports each window's *mean* TTFT; a profile holds TTFT p50 and p90. The calibration
 (``policy.calibrate``) compares the observed mean with the mean of a lognormal through the
 profile's p50 and p90 (``mean_ttft``). The modelled profiles' TTFT is not lognormal: it is a
-lognormal prompt's chunked prefill plus half a round plus an M/M/1 wait (``policy/perfmodel.py``),
+lognormal prompt's chunked prefill plus half a round plus an M/M/c wait (``policy/perfmodel.py``;
+M/M/1 before 2026-12-07),
 and their p50 / p90 are sums of per-part quantiles. This bench computes the model's own mean TTFT
 (the prefill averaged over the prompt-length distribution by 24-point Gauss-Hermite quadrature,
-+ R / 2, + the M/M/1 mean wait rho / (capacity - rate)) for every topology of the built-in
++ R / 2, + the M/M/c mean wait C(c, rho) / (capacity - rate), C the Erlang C probability) for every topology of the built-in
 modelled profiles at 10-90 % of its capacity, and the TTFT slowdown the calibration would imply
 from it (``implied_ttft_slowdown``): 1 means no bias; above 1 a host exactly as modelled reads as
 slower (more GPUs than needed), below 1 the floor hides that much TTFT optimism. ~5 s.
@@ -27,14 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.policy_model_error import write_results  # noqa: E402
 from policy.calibrate import implied_ttft_slowdown, mean_ttft  # noqa: E402
-from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source  # noqa: E402
+from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source, erlang_c  # noqa: E402
 from policy.profiles import load_profile  # noqa: E402
 
 SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def model_mean_ttft_s(pm: PerfModel, topo, rate: float) -> float | None:
-    """The model's mean TTFT at ``rate`` (s): prefill over lognormal prompts + R/2 + M/M/1 wait."""
+    """The model's mean TTFT at ``rate`` (s): prefill over lognormal prompts + R/2 + M/M/c wait."""
     R = pm.steady_round_ms(topo, rate)
     if R is None:
         return None
@@ -45,7 +46,7 @@ def model_mean_ttft_s(pm: PerfModel, topo, rate: float) -> float | None:
     I, sig = pm.req.input_tokens, pm.req.prompt_sigma
     pre = sum(float(wi) * pm.prefill_ms(topo, rate, I * math.exp(sig * float(xi)), R)
               for xi, wi in zip(x, w))
-    return (pre + R / 2) / 1e3 + rho / (cap * (1 - rho))
+    return (pre + R / 2) / 1e3 + erlang_c(pm.queue_slots(topo), rho) / (cap * (1 - rho))
 
 
 def main() -> None:

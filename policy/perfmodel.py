@@ -39,7 +39,13 @@ fixed point of R = pp * stage(b/pp decodes at mean context I + O/2, λ·I·R/pp 
 hand-offs + step overhead. TPOT p50 = R. Capacity (``capacity_rps``) = the largest λ with a fixed
 point whose batch fits the token budget, ``max_num_seqs`` and the KV cache. TTFT = the prompt's
 chunked prefill (ceil(I / free budget) rounds, each with the prompt's chunk) + half a round
-(waiting for the next step) + an M/M/1 queue wait at the capacity (p50 / p90 quantiles);
+(waiting for the next step) + a queue wait (p50 / p90 quantiles). The queue is M/M/c: c slots,
+the requests running at capacity (Little's law: capacity x (O rounds + the prefill) at capacity),
+served at the capacity in all; a request waits only when every slot is taken (Erlang C), which
+is how a continuous-batching engine queues (its batch takes a new request every step until the
+KV cache, the token budget or ``max_num_seqs`` is full). Until 2026-12-07 it was M/M/1 (one
+server at the capacity), which made TTFT 4-40x vLLM's on an H100 at 0.5-0.94 x capacity and the
+SLO capacity at TP 1 a third of what vLLM served (bench/results/vllm_gpu_vs_model_h100-2026-12-07.md);
 p90 uses a p90-length prompt (log-normal lengths, σ 0.8) and TPOT p90 = p50 * exp(1.28 * 0.15).
 KV capacity per GPU = 0.9 x memory - weights / (TP*PP) - activation reserve; KV heads are
 replicated when TP > KV heads.
@@ -366,6 +372,19 @@ def attention_source(gpu: GPUSpec, path: Path | str | None = None) -> AttentionS
 # ============================================================================================
 
 
+def erlang_c(servers: float, rho: float) -> float:
+    """The probability that an arrival waits in an M/M/c queue of c = floor(``servers``) >= 1
+    servers at utilisation ``rho`` in [0, 1) (Erlang C; c = 1 gives rho, the M/M/1 case)."""
+    c = max(1, int(math.floor(servers)))
+    if rho <= 0:
+        return 0.0
+    rho = min(rho, 0.999999)
+    a, b = rho * c, 1.0
+    for k in range(1, c + 1):  # Erlang B by its recursion, stable for large c
+        b = a * b / (k + a * b)
+    return b / (1 - rho * (1 - b))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_batched_tokens: int = 8192
@@ -555,6 +574,19 @@ class PerfModel:
             t += self.round_ms(topo, b, p_other + chunk * topo.pp, prefill_ctx=(k + 1) * chunk)
         return t
 
+    @functools.lru_cache(maxsize=None)
+    def queue_slots(self, topo: Topology) -> float:
+        """The queue's servers: the requests in the engine at capacity (Little's law: capacity x
+        the time a request spends in it, its prefill and O rounds), at least 1."""
+        cap = self.capacity_rps(topo)
+        if cap <= 0:
+            return 1.0
+        at = 0.999 * cap
+        R = self.steady_round_ms(topo, at) or self.steady_round_ms(topo, 0.99 * cap) \
+            or self.round_ms(topo, 0.0, 0.0)
+        I, O = self.req.input_tokens, self.req.output_tokens
+        return max(1.0, cap * (O * R + self.prefill_ms(topo, at, I, R)) / 1e3)
+
     def point(self, topo: Topology, rate: float) -> tuple[float, float, float, float] | None:
         """(ttft50, ttft90, tpot50, tpot90) in seconds at offered ``rate``; None above capacity."""
         R = self.steady_round_ms(topo, rate)
@@ -563,9 +595,11 @@ class PerfModel:
         cap = self.capacity_rps(topo)
         rho = min(rate / cap, 0.999) if cap > 0 else 1.0
         gap = cap * (1 - rho)
+        # M/M/c: P(W > t) = C(c, rho) exp(-(c mu - lambda) t), c mu = the capacity
+        busy = erlang_c(self.queue_slots(topo), rho) if rho > 0 else 0.0
 
         def wait(q: float) -> float:
-            return math.log(rho / (1 - q)) / gap if rho > 1 - q else 0.0
+            return math.log(busy / (1 - q)) / gap if busy > 1 - q else 0.0
 
         I = self.req.input_tokens
         i90 = I * math.exp(_Z90 * self.req.prompt_sigma)

@@ -144,12 +144,13 @@ def test_calibration_learns_a_slower_host_and_keeps_the_day():
 
 
 def test_calibration_learns_a_host_whose_ttft_alone_is_slower_and_keeps_the_day():
-    """The model right about decode, 30 % optimistic about TTFT (at every load): the TPOT says
-    nothing, the TTFT does."""
+    """The model right about decode, 2x optimistic about TTFT (at every load): the TPOT says
+    nothing, the TTFT does. (Since the serving model's queue is M/M/c, the TTFT sits far under
+    its 1 s SLO below capacity, and a 30 % TTFT error no longer costs a day.)"""
     prof, cfg = load_profile("h100x8-llama2-70b"), ScaleConfig()
-    blind = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, t=1.3)
-    learnt = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, noise=0.0, t=1.3)
-    assert learnt["calibrated_max"] == 1.0 and learnt["calibrated_ttft_max"] > 1.1
+    blind = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, t=2.0)
+    learnt = replay(_diurnal(), prof, 0.6, 1.0, 1.0, cfg, noise=0.0, t=2.0)
+    assert learnt["calibrated_max"] == 1.0 and learnt["calibrated_ttft_max"] > 1.5
     assert learnt["auto_worst_day"] >= 0.99 > blind["auto_worst_day"]
 
 
@@ -214,7 +215,7 @@ def test_the_controller_keeps_a_heartbeats_garbage_tpot_as_it_came_and_the_polic
 
 def test_on_a_host_exactly_as_modelled_the_ttft_calibration_reads_about_one():
     """bench/policy_ttft_mean_check.py's claim, on one profile: the model's own mean TTFT (its
-    prompt-length distribution, half a round, the M/M/1 wait) implies a TTFT slowdown near 1
+    prompt-length distribution, half a round, the M/M/c wait) implies a TTFT slowdown near 1
     against the lognormal through the profile's p50/p90 (the approximation the policy uses)."""
     from bench.policy_ttft_mean_check import model_mean_ttft_s
     from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source

@@ -200,10 +200,12 @@ def test_error_budget_limits_the_bet_at_the_recent_peak(table):
     big = table.fixed_best
     st = PolicyState(big, last_switch_s=0.0)
     rec = np.full(4, table.slo_cap[table.order[0]] * 0.9)
-    free = decide_scale(st, 1e5, rec[-1], band(rec[-1]), table, recent=rec, recent_peak=table.best_capacity * 0.3)
+    # a recent peak near a 4-GPU topology's SLO capacity (0.45 x the whole host's): 4 GPUs may
+    # lose a little there, which only an error budget pays for
+    free = decide_scale(st, 1e5, rec[-1], band(rec[-1]), table, recent=rec, recent_peak=table.best_capacity * 0.45)
     assert free.switch and free.recommended.world_size == 4
     spent = decide_scale(st, 1e5, rec[-1], band(rec[-1]), table, recent=rec,
-                         recent_peak=table.best_capacity * 0.3, error_budget=0.0)
+                         recent_peak=table.best_capacity * 0.45, error_budget=0.0)
     assert not spent.switch
     # with the budget spent, a smaller topology that could lose requests at the peak goes up at once
     small = next(t for t in table.order if t.world_size == 4)
@@ -233,7 +235,9 @@ def test_replay_keeps_the_slo_through_an_outage_and_its_return():
     ev = run_savings(_outage(), load_profile("h100x8-llama2-7b"), "gpu-hours", 0.6)
     r = ev.result()
     assert r["relative_attainment_min_day"]["auto"] >= 0.99
-    assert r["gpu_hours_fraction"]["auto"] < r["gpu_hours_fraction"]["reactive"] + 0.02
+    # and holds not far more than reactive (which breaks the day's bar on real traces): 0.626 vs
+    # 0.579 since the serving model's M/M/c queue (2026-12-07), within 0.02 on the M/M/1 one
+    assert r["gpu_hours_fraction"]["auto"] < r["gpu_hours_fraction"]["reactive"] + 0.06
 
 
 def test_oracle_lag1_reference():
@@ -315,13 +319,13 @@ def test_a_quiet_window_may_lose_a_larger_share_of_its_own_requests(table):
 
 
 def test_step_down_goes_to_a_topology_that_itself_qualifies():
-    """h200x8-llama2-70b at 5.62 req/s: TP4PP1 (the highest SLO capacity of world 4) is expected
-    to lose 0.89 %, TP2PP2 0.84 %; with the budget between the two, the step down from world 5
+    """h100x8-llama2-70b at 6.95 req/s: TP4PP1 (the highest SLO capacity of world 4) is expected
+    to lose 0.93 %, TP2PP2 0.00 %, TP1PP5 0.25 %; with the budget between the two, the step down from world 5
     (TP1PP5, the next size above 4 for an 80-layer model) goes to TP2PP2, not to the first of its
-    size."""
-    p = load_profile("h200x8-llama2-70b")
+    size. (Before the serving model's M/M/c queue: h200x8-llama2-70b at 5.62 req/s.)"""
+    p = load_profile("h100x8-llama2-70b")
     t = CapacityTable(p, p.default_slo)
-    x = 5.62
+    x = 6.95
     loss = t.relative_loss(np.array([x]), np.array([1.0]))
     w4 = [o for o in t.order if o.world_size == 4]
     cut = (loss[w4[0]] + min(loss[o] for o in w4[1:])) / 2
@@ -339,7 +343,7 @@ def test_the_days_last_switch_scales_up_to_the_largest(table):
     when this is the rolling day's last switch (the one a scale-down keeps in reserve) it goes to
     the largest topology, so that no second scale-up can break the 12/day budget."""
     w2 = max((o for o in table.order if o.world_size == 2), key=lambda o: table.slo_cap[o])
-    x = 1.2 * table.slo_cap[w2]
+    x = 1.1 * table.slo_cap[w2]
     assert x * 1.5 < min(table.slo_cap[o] for o in table.order if o.world_size == 4)
     now = 1e6
     spare = PolicyState(w2, last_switch_s=now - 3600, switch_times_s=tuple(now - 3600 * k for k in range(1, 6)))

@@ -280,7 +280,8 @@ async def test_gpu_hours_advises_fewer_gpus_with_saving_risk_and_profile(ctl, cs
 async def test_gpu_hours_steps_an_80_layer_node_down_to_five_gpus(ctl, cstub, redis_server):
     """A Llama-2-70B-shaped node on 8 GPUs registers every valid topology (remp.topology: any PP
     up to the 80 layers, so TP1PP5, and TP1PP3 / TP2PP3 / TP1PP6 / TP1PP7 with uneven stages); on
-    the built-in h100x8-llama2-70b profile, at a load between world 4's SLO capacity and world
+    the built-in h200x8-llama2-70b profile (on the H100 one, since the serving model's M/M/c queue,
+    world 5 holds barely more than world 4), at a load between world 4's SLO capacity and world
     5's, the policy steps the host down to world 5 (not 4, not staying on 8; ``step_ratio`` 0.6
     lets one step release 3 of 8 GPUs), releasing ranks 5-7, and the controller takes it as a
     candidate."""
@@ -288,14 +289,14 @@ async def test_gpu_hours_steps_an_80_layer_node_down_to_five_gpus(ctl, cstub, re
     from policy.scale import CapacityTable
     from remp.topology import ModelShape, candidate_topologies
 
-    prof = load_profile("h100x8-llama2-70b")
+    prof = load_profile("h200x8-llama2-70b")
     shape = ModelShape(num_layers=80, num_attention_heads=64, num_kv_heads=8, head_size=128,
                        hidden_size=8192)
     cands = candidate_topologies(shape, 8)
     assert {Topology(1, 5), Topology(1, 3), Topology(2, 3), Topology(1, 7)} <= set(cands)
     table = CapacityTable(prof, prof.default_slo)
     w4 = max(table.slo_cap[t] for t in table.order if t.world_size == 4)
-    rate = 1.2 * w4  # 12.4 req/s: over every 4-GPU topology, well under TP1PP5's 15.9
+    rate = 1.2 * w4  # 10.6 req/s: over every 4-GPU topology, under TP1PP5's 12.2
     assert rate * 1.1 < table.slo_cap[Topology(1, 5)]
     node = "pn-" + uuid.uuid4().hex[:6]
     cstub.RegisterNode(controller_pb2.RegisterNodeRequest(
