@@ -229,3 +229,21 @@ def test_on_a_host_exactly_as_modelled_the_ttft_calibration_reads_about_one():
         assert true is not None and true > c.at(rate)[0]  # the mean sits above the median
         got.append(implied_ttft_slowdown(c, rate, true))
     assert 0.95 < min(got) and max(got) < 1.05, got
+
+
+def test_a_window_above_the_profiles_capacity_says_nothing():
+    """vLLM on an H100 at 1.18 x the model's capacity (bench/results/vllm_gpu_vs_model_h100-2026-
+    12-07.md) showed a TPOT that, held against the curve clamped at capacity, read as a host 1.12 x
+    slower, while below capacity the same host was 0.81-0.89 x: an overloaded window is not used."""
+    c = load_profile("h100x8-llama2-7b").curves[0]
+    cap = c.capacity_rps
+    tpot, ttft = c.at(0.9 * cap)[2], mean_ttft(c, 0.9 * cap)
+    assert implied_slowdown(c, 0.9 * cap, tpot) == pytest.approx(1.0, rel=2e-3)
+    assert math.isfinite(implied_ttft_slowdown(c, 0.9 * cap, ttft))
+    assert math.isnan(implied_slowdown(c, 1.18 * cap, 3 * tpot))
+    assert math.isnan(implied_ttft_slowdown(c, 1.18 * cap, 3 * ttft))
+    obs = [Observation(60.0 * k, 100, implied_slowdown(c, r, 1.4 * tpot))
+           for k, r in enumerate((0.9 * cap, 1.2 * cap, 1.3 * cap))]
+    assert [math.isnan(o.implied) for o in obs] == [False, True, True]
+    # only the window below capacity counts: its 1.4 x TPOT at 0.9 x capacity is a 1.1 x slower host
+    assert calibrated_slowdown(obs, 180.0, 1.0, CalibrationConfig()) == pytest.approx(1.1)

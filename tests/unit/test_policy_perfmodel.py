@@ -132,3 +132,33 @@ def test_builtin_profiles_load_and_round_trip():
     assert q.topologies == p.topologies and q.default_slo == p.default_slo
     assert all(np.all(np.diff(c.load_rps) > 0) for c in p.curves)
     assert "bound" in p.notes or "measured" in p.notes
+
+
+def test_erlang_c_is_the_mm1_case_at_one_server_and_falls_with_more():
+    from policy.perfmodel import erlang_c
+
+    assert erlang_c(1, 0.8) == pytest.approx(0.8)
+    assert erlang_c(2, 0.5) == pytest.approx(2 * 0.5 ** 2 / (1 + 0.5))  # M/M/2 closed form
+    assert erlang_c(50, 0.0) == 0.0
+    for c in (1, 8, 92):
+        xs = [erlang_c(c, r) for r in (0.3, 0.6, 0.9, 0.99)]
+        assert xs == sorted(xs) and all(0 <= x <= 1 for x in xs)
+    assert erlang_c(92, 0.8) < erlang_c(8, 0.8) < erlang_c(1, 0.8)
+
+
+def test_the_ttft_queue_is_one_of_many_slots_as_vllm_showed():
+    """vLLM 0.25.0 on an H100 (bench/results/vllm_gpu_vs_model_h100-2026-12-07.md), Llama-2-7B TP 1,
+    1024 in / 256 out: TTFT p50 / p90 66 / 95 ms at 0.8 x the model's capacity, nothing queued.
+    The M/M/1 queue the model had said 277 / 1,057 ms; the M/M/c one (c = the requests in the
+    engine at capacity) puts no wait there, and a growing one only next to capacity."""
+    from dataclasses import replace
+
+    pm = PerfModel(LLAMA2_7B, H100)
+    pm = PerfModel(LLAMA2_7B, H100, request=replace(pm.req, prompt_sigma=0.0))
+    t = Topology(1, 1)
+    cap = pm.capacity_rps(t)
+    assert pm.queue_slots(t) > 50  # about 70 requests in the engine at capacity
+    t50, t90, _, _ = pm.point(t, 0.8 * cap)
+    assert t50 < 0.08 and t90 < 0.08
+    near = pm.point(t, 0.97 * cap)
+    assert near[1] > 0.3  # the wait grows next to capacity

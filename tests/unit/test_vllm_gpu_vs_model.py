@@ -57,3 +57,22 @@ def test_a_load_row_tells_what_the_calibration_would_take(tmp_path, scale):
         assert s_tpot == pytest.approx(1.0, abs=0.05), row
     else:
         assert 1.0 < s_tpot <= scale, row
+
+
+def test_a_load_row_above_the_profiles_capacity_is_not_read_by_the_calibration(tmp_path):
+    """vLLM at 1.18 x the model's capacity (stop 45, H100) is overloaded, not slow: the row says
+    so and carries no implied slowdown."""
+    from policy.profiles import load_profile
+
+    cap = load_profile("h100x8-llama2-7b").curves[0].capacity_rps
+    res = {"model": "llama2-7b", "gpu": "NVIDIA H100 80GB HBM3", "vllm": "0.25.0", "torch": "2.11.0",
+           "date": "2026-12-07", "engine_start_s": 40.0,
+           "load": [{"rate": 1.18 * cap, "kept": 400, "input": 1024, "output": 256,
+                     "ttft_p50_ms": 1104.0, "ttft_p90_ms": 3280.0, "tpot_p50_ms": 35.2,
+                     "tpot_p90_ms": 36.1, "ttft_mean_ms": 1247.0, "tpot_mean_ms": 33.8}]}
+    p = tmp_path / "vllm_llama2-7b.json"
+    p.write_text(json.dumps(res))
+    main(["compare", str(p), "--out", str(tmp_path / "c.md")])
+    row = json.loads((tmp_path / "c.md.json").read_text())["rows"][-1]
+    assert row["implied_slowdown"] is None and row["model_value"] is None
+    assert "not used (above the profile's capacity)" in (tmp_path / "c.md").read_text()
