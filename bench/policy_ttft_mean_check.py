@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.policy_model_error import write_results  # noqa: E402
 from policy.calibrate import implied_ttft_slowdown, mean_ttft  # noqa: E402
-from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source, erlang_c  # noqa: E402
+from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source  # noqa: E402
 from policy.profiles import load_profile  # noqa: E402
 
 SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -39,14 +39,12 @@ def model_mean_ttft_s(pm: PerfModel, topo, rate: float) -> float | None:
     R = pm.steady_round_ms(topo, rate)
     if R is None:
         return None
-    cap = pm.capacity_rps(topo)
-    rho = min(rate / cap, 0.999)
     x, w = np.polynomial.hermite_e.hermegauss(24)
     w = w / w.sum()
     I, sig = pm.req.input_tokens, pm.req.prompt_sigma
     pre = sum(float(wi) * pm.prefill_ms(topo, rate, I * math.exp(sig * float(xi)), R)
               for xi, wi in zip(x, w))
-    return (pre + R / 2) / 1e3 + erlang_c(pm.queue_slots(topo), rho) / (cap * (1 - rho))
+    return (pre + R / 2) / 1e3 + pm.mean_queue_wait_s(topo, rate)
 
 
 def main() -> None:

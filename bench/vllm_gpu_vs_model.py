@@ -249,7 +249,7 @@ def gpu_key(name: str) -> str:
 def compare(a: argparse.Namespace) -> None:
     from dataclasses import replace
 
-    from policy.calibrate import Z90, implied_slowdown, implied_ttft_slowdown
+    from policy.calibrate import implied_slowdown, implied_ttft_slowdown, lognormal_mean
     from policy.perfmodel import GPUS, MODELS, PerfModel, attention_source, topologies
     from policy.profiles import load_profile
 
@@ -318,9 +318,7 @@ def compare(a: argparse.Namespace) -> None:
                 s_ttft = implied_ttft_slowdown(curve, ld["rate"], ld["ttft_mean_ms"] / 1e3)
                 # the calibration reads a mean TTFT through a lognormal fitted to p50 and p90:
                 # that lognormal's mean from vLLM's own p50/p90, against vLLM's mean
-                p50, p90 = ld["ttft_p50_ms"], ld["ttft_p90_ms"]
-                sig = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
-                logn = p50 * math.exp(0.5 * sig * sig)
+                logn = lognormal_mean(ld["ttft_p50_ms"], ld["ttft_p90_ms"])
                 lognormal.append((ld["rate"], ld["ttft_mean_ms"], logn))
                 # NaN: above the profile curve's capacity, where calibration uses no window
                 sl = ("not used (above the profile's capacity)" if math.isnan(s_tpot) else

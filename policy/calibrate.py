@@ -85,12 +85,25 @@ def implied_slowdown(curve: TopologyCurve, rate: float, tpot_s: float) -> float:
     overloaded host's TPOT, held against the curve's at capacity, would read as a slower host
     (vLLM on an H100 at 1.18x the model's capacity read as 1.12x slower while it was 0.81-0.89x
     below it; bench/results/vllm_gpu_vs_model_h100-2026-12-07.md)."""
-    if not (math.isfinite(rate) and 0 <= rate <= curve.capacity_rps and math.isfinite(tpot_s)
-            and tpot_s > 0):
+    if not _observed(curve, rate, tpot_s):
         return math.nan
     x, y = np.asarray(curve.load_rps), np.asarray(curve.tpot_p50_s)
     # non-decreasing in s (TPOT never falls with load)
     return _invert(lambda s: s * float(np.interp(min(s * rate, curve.capacity_rps), x, y)), tpot_s)
+
+
+def _observed(curve: TopologyCurve, rate: float, latency_s: float) -> bool:
+    """Whether a window's mean latency at ``rate`` says anything against ``curve``: a rate and a
+    latency, and the rate within the curve's capacity."""
+    return (math.isfinite(rate) and 0 <= rate <= curve.capacity_rps and math.isfinite(latency_s)
+            and latency_s > 0)
+
+
+def lognormal_mean(p50: float, p90: float) -> float:
+    """The mean of the lognormal through a median ``p50`` and a 0.9 quantile ``p90`` (p90 <= p50:
+    no spread, the median)."""
+    sigma = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
+    return p50 * math.exp(0.5 * sigma * sigma)
 
 
 def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
@@ -98,16 +111,14 @@ def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
     mean of a lognormal through its TTFT p50 and p90 at ``s · rate``, times ``s``. (The agent
     reports a mean; TTFT's tail — long prompts, queueing — puts it above the median.)"""
     p50, p90 = curve.at(min(s * rate, curve.capacity_rps))[:2]
-    sigma = math.log(max(p90 / p50, 1.0)) / Z90 if p50 > 0 else 0.0
-    return s * p50 * math.exp(0.5 * sigma * sigma)
+    return s * lognormal_mean(p50, p90)
 
 
 def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float) -> float:
     """The ``s`` with ``mean_ttft(curve, rate, s) = ttft_s`` (the observed mean TTFT), clamped
     into [0.25, 4]; NaN when the observation says nothing or the window ran above the curve's
     capacity (as :func:`implied_slowdown`)."""
-    if not (math.isfinite(rate) and 0 <= rate <= curve.capacity_rps and math.isfinite(ttft_s)
-            and ttft_s > 0):
+    if not _observed(curve, rate, ttft_s):
         return math.nan
     return _invert(lambda s: mean_ttft(curve, rate, s), ttft_s)
 

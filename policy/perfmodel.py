@@ -587,16 +587,23 @@ class PerfModel:
         I, O = self.req.input_tokens, self.req.output_tokens
         return max(1.0, cap * (O * R + self.prefill_ms(topo, at, I, R)) / 1e3)
 
+    def queue(self, topo: Topology, rate: float) -> tuple[float, float]:
+        """The TTFT queue at offered ``rate``, M/M/c: (the probability a request waits, the rate
+        of the waiting time's exponential tail), P(W > t) = busy · exp(-gap · t)."""
+        cap = self.capacity_rps(topo)
+        rho = min(rate / cap, 0.999) if cap > 0 else 1.0
+        return erlang_c(self.queue_slots(topo), rho), cap * (1 - rho)
+
+    def mean_queue_wait_s(self, topo: Topology, rate: float) -> float:
+        busy, gap = self.queue(topo, rate)
+        return busy / gap
+
     def point(self, topo: Topology, rate: float) -> tuple[float, float, float, float] | None:
         """(ttft50, ttft90, tpot50, tpot90) in seconds at offered ``rate``; None above capacity."""
         R = self.steady_round_ms(topo, rate)
         if R is None:
             return None
-        cap = self.capacity_rps(topo)
-        rho = min(rate / cap, 0.999) if cap > 0 else 1.0
-        gap = cap * (1 - rho)
-        # M/M/c: P(W > t) = C(c, rho) exp(-(c mu - lambda) t), c mu = the capacity
-        busy = erlang_c(self.queue_slots(topo), rho) if rho > 0 else 0.0
+        busy, gap = self.queue(topo, rate)
 
         def wait(q: float) -> float:
             return math.log(busy / (1 - q)) / gap if busy > 1 - q else 0.0
