@@ -13,14 +13,19 @@ requests) — ``floor`` being the operator's
 never less: a host that looks faster than its profile keeps the profile.
 
 The agent reports the mean TTFT of the requests that reached their first token in each window
-too; the TTFT side is calibrated the same way (:func:`implied_ttft_slowdown`: the ``s`` with
-which the profile's *mean* TTFT at ``s · rate`` — a lognormal through its p50 and p90,
-:func:`mean_ttft` — times ``s`` equals the observed mean), with ``s`` as its floor: the TTFT is
-taken as at least as much slower as the TPOT says (the one-factor assumption, all there was
-before TTFT was read), more when the TTFT says so, from at least ``ttft_min_windows`` windows.
-The policy then decides on
-:func:`calibrated_profile` ``(profile, s, s_ttft)``: every curve taken as ``s`` x slower, its
-TTFT as ``s_ttft`` x slower (each with its own load scaling).
+too; the TTFT side is calibrated the same way, with one difference: the TTFT's *level* gets its own
+factor, the *load* the queue sees does not. :func:`implied_ttft_slowdown` is the ``t`` with which
+the profile's *mean* TTFT (a lognormal through its p50 and p90, :func:`mean_ttft`) at ``s · rate``
+— ``s`` the TPOT's slowdown in effect — times ``t`` equals the observed mean; ``t`` is at least
+``s`` (the one-factor assumption, all there was before TTFT was read), more when the TTFT says so,
+from at least ``ttft_min_windows`` windows. The policy then decides on
+:func:`calibrated_profile` ``(profile, s, t)``: every curve taken as ``s`` x slower (latencies x s
+at load x s), its TTFT at load λ ``t · ttft(s · λ)``. Where the queue sets in is the host's
+throughput, which the TPOT under load reads (prefill that is slower than modelled takes decode
+time in chunked prefill and shows there); until stop 46 the TTFT's factor moved the queue's onset
+as well (``t · ttft(t · λ)``), so a host whose prefill alone was slower read as *less* slow in the
+windows a gpu-hours policy holds near capacity (the steep M/M/c queue: H200 70B runs with the TTFT
+1.5 x the model's read 1.25-1.3, and a topology that never meets a 1-s TTFT looked feasible).
 
 What it corrects and what not: a profile that is wrong by one factor on every engine time (the
 model's kernels slower or faster than the host's, the traffic's requests longer than the profile's
@@ -75,6 +80,11 @@ class Observation:
     implied: float
 
 
+# the TTFT is read only where the profile's mean TTFT is not steep in the load: at most
+# STEEP_MAX % more for 1 % more load (tested over a STEEP_STEP step). Where the queue takes off, a
+# small error in the load the queue sees (the TPOT's slowdown read with noise) moves the TTFT by
+# much more, and the window's factor would say that instead of the host's prefill.
+STEEP_STEP, STEEP_MAX = 1.05, 1.0
 Z90 = 1.2815515655446004  # the standard normal's 0.9 quantile
 
 
@@ -114,13 +124,17 @@ def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
     return s * lognormal_mean(p50, p90)
 
 
-def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float) -> float:
-    """The ``s`` with ``mean_ttft(curve, rate, s) = ttft_s`` (the observed mean TTFT), clamped
-    into [0.25, 4]; NaN when the observation says nothing or the window ran above the curve's
-    capacity (as :func:`implied_slowdown`)."""
-    if not _observed(curve, rate, ttft_s):
+def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float, s: float = 1.0) -> float:
+    """The ``t`` with ``t · lognormal mean of the TTFT at s · rate = ttft_s`` (the observed mean
+    TTFT; ``s`` the TPOT's slowdown in effect, which sets the load the queue sees), clamped into
+    [0.25, 4]; NaN when the observation says nothing or ``s · rate`` is above the curve's capacity
+    (as :func:`implied_slowdown`)."""
+    if not (math.isfinite(s) and s > 0 and _observed(curve, s * rate * STEEP_STEP, ttft_s)):
         return math.nan
-    return _invert(lambda s: mean_ttft(curve, rate, s), ttft_s)
+    base = mean_ttft(curve, s * rate)
+    if not base > 0 or mean_ttft(curve, s * rate * STEEP_STEP) > base * STEEP_STEP ** STEEP_MAX:
+        return math.nan
+    return float(min(max(ttft_s / base, LO), HI))
 
 
 def _invert(f, target: float) -> float:  # noqa: ANN001 - f: non-decreasing float -> float
@@ -159,10 +173,9 @@ def calibrated_slowdown(observations: Iterable[Observation], now_s: float, floor
 
 
 def calibrated_profile(profile: Profile, s: float, s_ttft: float | None = None) -> Profile:
-    """``profile`` taken as ``s`` x slower and its TTFT as ``s_ttft`` x slower (None: ``s``; each
-    with its own load scaling: at load λ the TTFT is ``s_ttft · ttft(s_ttft · λ)``, extended
-    linearly past the curve's last load point), named for what it is:
-    ``<name>-calibrated<s>[-ttft<s_ttft>]``."""
+    """``profile`` taken as ``s`` x slower (latencies x s at load x s) and its TTFT at load λ
+    ``s_ttft · ttft(s · λ)`` (None: ``s``): the TTFT's level has its own factor, the queue's onset
+    is the TPOT's. Named for what it is: ``<name>-calibrated<s>[-ttft<s_ttft>]``."""
     t = s if s_ttft is None else s_ttft
     if s == 1.0 and t == 1.0:
         return profile
@@ -170,33 +183,12 @@ def calibrated_profile(profile: Profile, s: float, s_ttft: float | None = None) 
     name, says = f"{profile.name}-calibrated{s:g}", f"TPOT says {s:g}x"
     if t != s:
         name, says = f"{name}-ttft{t:g}", f"{says}, its TTFT {t:g}x"
-        p = replace(p, curves=tuple(_ttft_slowed(b, c, t) for b, c in zip(profile.curves, p.curves)))
+        k = t / s
+        p = replace(p, curves=tuple(replace(c, ttft_p50_s=tuple(k * v for v in c.ttft_p50_s),
+                                            ttft_p90_s=tuple(k * v for v in c.ttft_p90_s))
+                                    for c in p.curves))
     return replace(p, name=name,
                    notes=f"{profile.notes}; calibrated: the host's observed {says} "
                          f"slower than {profile.name}",
                    params={**profile.params, "calibrated": s, "calibrated_ttft": t,
                            "slowdown": float(profile.params.get("slowdown", 1.0)) * s})
-
-
-def _ttft_slowed(base: TopologyCurve, c: TopologyCurve, t: float) -> TopologyCurve:
-    """``c`` (``base`` taken as some factor slower) with its TTFT at load λ ``t · ttft(t · λ)``
-    on ``base``'s TTFT, extended with the last segment's slope (never falling) past ``base``'s
-    last load. The load points are ``c``'s and ``base``'s scaled by 1 / t (within ``c``'s), so
-    both curves stay exact where they are linear; ``c``'s TPOT is interpolated at the new points."""
-    x = np.asarray(base.load_rps, dtype=float)
-    own = np.asarray(c.load_rps, dtype=float)
-    loads = np.unique(np.concatenate([own, x[x / t <= own[-1]] / t]))
-    loads = loads[np.concatenate([[True], np.diff(loads) > 1e-12 * max(own[-1], 1.0)])]
-
-    def ttft(y: tuple[float, ...]) -> tuple[float, ...]:
-        ys = np.asarray(y, dtype=float)
-        slope = max((ys[-1] - ys[-2]) / (x[-1] - x[-2]), 0.0)
-        q = t * loads
-        return tuple(float(v) for v in t * (np.interp(q, x, ys) + slope * np.maximum(q - x[-1], 0.0)))
-
-    def at(y: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(float(v) for v in np.interp(loads, own, np.asarray(y, dtype=float)))
-
-    return replace(c, load_rps=tuple(float(v) for v in loads), ttft_p50_s=ttft(base.ttft_p50_s),
-                   ttft_p90_s=ttft(base.ttft_p90_s), tpot_p50_s=at(c.tpot_p50_s),
-                   tpot_p90_s=at(c.tpot_p90_s))

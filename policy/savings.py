@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections import deque
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -589,7 +590,9 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
         tables = {(cal.floor, cal.floor): table}
         eff, gfull, gbest = (cal.floor, cal.floor), gbest, gbest.copy()
         observed: list[Observation] = []
-        observed_ttft: list[Observation] = []
+        seen_ttft: deque = deque()  # (window end, requests, base curve, rate, mean TTFT)
+        observed_ttft: deque = deque()  # their implied TTFT slowdowns at the TPOT's ttft_read_at
+        ttft_read_at = math.nan
         rng = np.random.default_rng(cal.seed)
         rng_ttft = np.random.default_rng([cal.seed, 1])  # the TPOT's draws as before TTFT was read
         cal.slowdowns, cal.ttft_slowdowns = [], []
@@ -611,8 +614,17 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
                     tpot *= math.exp(cal.noise * float(rng.standard_normal()))
                     ttft *= math.exp(cal.noise * float(rng_ttft.standard_normal()))
                 observed.append(Observation(end, rate * W, implied_slowdown(base, rate, tpot)))
-                observed_ttft.append(Observation(end, rate * W, implied_ttft_slowdown(base, rate, ttft)))
+                seen_ttft.append((end, rate * W, base, rate, ttft))
             s_now = calibrated_slowdown(observed, end, cal.floor, cal.cfg)
+            # the TTFT's factor read at the load the TPOT's slowdown now puts the host at
+            while seen_ttft and seen_ttft[0][0] < end - cal.cfg.span_s - 1e-9:
+                seen_ttft.popleft()
+                observed_ttft.popleft()
+            if s_now != ttft_read_at:  # (recomputed only when the TPOT's slowdown moves)
+                observed_ttft.clear()
+                ttft_read_at = s_now
+            for e, k, b, r, f in list(seen_ttft)[len(observed_ttft):]:
+                observed_ttft.append(Observation(e, k, implied_ttft_slowdown(b, r, f, s_now)))
             key = (s_now, calibrated_slowdown(observed_ttft, end, s_now, cal.cfg,
                                               cal.cfg.ttft_min_windows))
             if key != eff:

@@ -238,7 +238,8 @@ class Window:
     tpot_requests: float = 0.0  # ... how many
     implied: float = math.nan  # the slowdown that TPOT implies (policy.calibrate; NaN: unusable)
     ttft_requests: float = 0.0  # requests that reached their first token in it
-    implied_ttft: float = math.nan  # the TTFT slowdown their mean TTFT implies (NaN: unusable)
+    ttft_s: float = math.nan  # their mean TTFT, for calibration (NaN: unusable; its implied slowdown
+    #                           depends on the TPOT's slowdown then, so it is read at calibration)
 
 
 @dataclass(frozen=True)
@@ -839,13 +840,13 @@ class PolicyService:
             # the topology held then: the controller's observed one now (windows read back at
             # a restart are counted on the topology the node has when they are read)
             topo = n.view.observed
-            implied = implied_ttft = math.nan  # calibration: not a window right after a switch
+            implied = ttft_mean = math.nan  # calibration: not a window right after a switch
             if topo in self._profile_topos and n.history and n.history[-1].topology == topo:
                 if tn > 0:
                     implied = implied_slowdown(self.profile.curve(topo), rate, tpot)
                 if fn > 0:
-                    implied_ttft = implied_ttft_slowdown(self.profile.curve(topo), rate, ttft)
-            n.history.append(Window(t0, rate, topo, tpot, tn, implied, fn, implied_ttft))
+                    ttft_mean = ttft
+            n.history.append(Window(t0, rate, topo, tpot, tn, implied, fn, ttft_mean))
 
     def _scorer(self, topos: tuple[Topology, ...]) -> Scorer:
         sc = self._scorers.get(topos)
@@ -890,8 +891,9 @@ class PolicyService:
         """The node's slowdowns against the profile, from the TPOT and the TTFT its windows of
         the last span showed (``policy.calibrate``; 1 when off or not yet observed; the TTFT's
         is at least the TPOT's, and the TPOT's until enough TTFTs were seen). A window is used when requests finished (or
-        reached their first token) in it and it held the topology of the window before it (its
-        implied slowdowns are computed once, as it is aggregated)."""
+        reached their first token) in it and it held the topology of the window before it (the
+        TPOT's implied slowdown is computed once, as it is aggregated; the TTFT's here, at the
+        TPOT's slowdown now, which sets the load the profile's queue sees)."""
         cfg, W = self.calibration, self.window_s
         if not cfg.enabled:
             return 1.0, 1.0
@@ -899,9 +901,11 @@ class PolicyService:
         recent = list(itertools.islice(reversed(n.history), k))
         obs = [Observation(b.t0 + W, b.tpot_requests, b.implied) for b in recent
                if math.isfinite(b.implied)]
-        obs_ttft = [Observation(b.t0 + W, b.ttft_requests, b.implied_ttft) for b in recent
-                    if math.isfinite(b.implied_ttft)]
         s = calibrated_slowdown(obs, now, 1.0, cfg)
+        # the TTFT's factor read at the load the TPOT's slowdown puts the host at
+        obs_ttft = [Observation(b.t0 + W, b.ttft_requests, implied_ttft_slowdown(
+                        self.profile.curve(b.topology), b.rate, b.ttft_s, s)) for b in recent
+                    if math.isfinite(b.ttft_s)]
         # the TTFT: at least as slow as the TPOT, from enough windows
         t = calibrated_slowdown(obs_ttft, now, s, cfg, cfg.ttft_min_windows)
         if (s, t) != (n.slowdown, n.ttft_slowdown):
