@@ -664,13 +664,14 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             obs = ~np.isnan(day)  # fixed-best's mean in-SLO rate over the last 24 h
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
             dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
+            ppk = float(np.nanmax(day)) if w < day_n and obs.any() else math.nan  # the day so far
             grow = observed_growth(day, peak_n, cfg.bet_growth_quantile, recent_n)
             lo_b = max(0, w - burst_n)  # observed_burst of the span before w, from the rises computed once
             burst = (span_burst(rises[lo_b:max(lo_b, w - peak_n)], w - lo_b, peak_n)
                      if cfg.burst_span_s > 0 else math.nan)
             d = decide_scale(state, float(series.t_start_s[w]), last, band, table, cfg, peak, recent,
                              max(budget, 0.0) if cfg.sizing == "risk" else math.inf, seas, day_good, dpk,
-                             grow, burst)
+                             grow, burst, ppk)
             decisions.append(d)
             state = after(state, d)
         topos.append(state.current)

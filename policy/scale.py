@@ -36,7 +36,9 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
 - **Scale up at once** (no dwell, never held by the budget while a switch is left) when the current one does not
   qualify, to the cheapest one qualifying over ``up_lookahead_s``. When this is the rolling
   day's last switch, at least to the cheapest one covering ``last_up_margin`` x the last 24 h's
-  peak (``last_up`` "day-peak", once a whole day is observed), else to the largest. With no
+  peak (``last_up`` "day-peak", once a whole day is observed; before that
+  ``last_up_partial_margin`` x the highest rate observed so far, 0: the largest), else to the
+  largest. With no
   switch left (load passed even that), to the largest, one switch over the day's budget, only
   when one window at the bet would spend the whole SLO error budget left ("hold-budget" until
   then), only on a calendar day (from ``day_origin_s``) with fewer than the budget, so no day
@@ -123,6 +125,10 @@ class ScaleConfig:
     #                            covering last_up_margin x the last 24 h's peak ("day-peak", once a
     #                            day is observed), or to the largest ("largest")
     last_up_margin: float = 1.1
+    # ... and before a whole day is observed (stop 46), at least the cheapest covering this x the
+    # highest rate observed so far (0: the largest, the rule before it): a service's first day, and
+    # traces a day long or shorter, held the whole host from the day's last switch on
+    last_up_partial_margin: float = 1.5
     # a scale-down waits while the rolling day has this many switches or fewer left, once the day's
     # last scale-up is sized by the day (last_up "day-peak" with a day observed; 1 otherwise)
     down_reserve: int = 2
@@ -171,6 +177,8 @@ class ScaleConfig:
             raise ValueError("burst_rps: a number >= 0; min_gpus >= 0")
         if self.last_up not in ("day-peak", "largest") or not self.last_up_margin >= 1:
             raise ValueError(f"last_up {self.last_up!r}: day-peak or largest, with last_up_margin >= 1")
+        if not (self.last_up_partial_margin == 0 or 1 <= self.last_up_partial_margin < math.inf):
+            raise ValueError("last_up_partial_margin: 0 (off) or >= 1")
         if not self.down_reserve >= 1:
             raise ValueError("down_reserve >= 1")
         if not (0 < self.loss_budget < 1 and 0 <= self.recent_weight < 1 and self.min_dwell_windows >= 0
@@ -327,14 +335,17 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
                  recent_peak: float = math.nan, recent: np.ndarray | None = None,
                  error_budget: float = math.inf, seasonal: float = math.nan,
                  day_goodput: float = math.nan, day_peak: float = math.nan,
-                 growth: float = math.nan, burst: float = math.nan) -> ScaleDecision:
+                 growth: float = math.nan, burst: float = math.nan,
+                 partial_peak: float = math.nan) -> ScaleDecision:
     """One decision for the window starting at ``now_s`` (see the module docstring).
     ``recent_peak``: the highest rate observed over the last ``min_dwell_s`` (NaN: unknown); a
     scale-down target must also cover it with headroom (bursty traffic makes the multiplicative
     forecast band collapse after a quiet window; the recent peak does not). ``day_goodput``:
     fixed-best's mean in-SLO rate over the observed windows of the last 24 h (req/s; NaN: the
     loss budget is not scaled for quiet windows). ``day_peak``: the highest rate of the last
-    24 h, NaN until a whole day has been observed (sizes the day's last scale-up). ``growth``:
+    24 h, NaN until a whole day has been observed (sizes the day's last scale-up);
+    ``partial_peak``: until then, the highest rate observed so far (sizes it with
+    ``last_up_partial_margin``; NaN: none observed). ``growth``:
     ``observed_growth`` of the last 24 h (NaN: bet_growth alone). ``burst``: ``observed_burst``
     of the last ``burst_span_s`` (req/s added to the bet's peak; NaN or 0: none)."""
     W = band.window_s
@@ -392,7 +403,7 @@ def decide_scale(state: PolicyState, now_s: float, last_rate: float, band: Band,
 
     # the load the day's last scale-up must cover (NaN: the largest topology); a known one makes
     # scale-downs keep down_reserve switches
-    last_need = _last_need(cfg, day_peak)
+    last_need = _last_need(cfg, day_peak, partial_peak)
     if cfg.sizing == "risk":
         return _decide_risk(state, now_s, last, band, table, cfg, recent, recent_peak, out, used, left, dwell_left,
                             up_n, cover_n, hz_n, mean0, n_now, error_budget, seasonal, day_goodput, last_need,
@@ -436,7 +447,8 @@ def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int
     world sizes 1, 2, 4, 8, two steps up, 2 -> 4 -> 8, would break the budget). It goes at least
     to the cheapest topology covering ``last_need`` (``last_up`` "day-peak": last_up_margin x the
     highest rate of the last 24 h, known once a whole day has been observed), or to the largest
-    (``last_up`` "largest", or no day observed yet). Should load pass that anyway (``left`` 0), the
+    (``last_up`` "largest", or nothing observed yet; before a whole day is observed ``last_need``
+    is last_up_partial_margin x the highest rate so far). Should load pass that anyway (``left`` 0), the
     scale-up goes to the largest: one switch over the day's budget rather than the SLO lost."""
     largest = max(table.order, key=lambda t: table.slo_cap[t])
     if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0) or left <= 0:
@@ -452,9 +464,17 @@ def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int
                f"+{extra:.2f} GPU-h over {up_n * W / 60:.0f} min)", -extra, "gpu-hours", up_n, need)
 
 
-def _last_need(cfg: ScaleConfig, day_peak: float) -> float:
-    """The load the day's last scale-up must cover at least (NaN: the largest topology)."""
-    return cfg.last_up_margin * day_peak if cfg.last_up == "day-peak" else math.nan
+def _last_need(cfg: ScaleConfig, day_peak: float, partial_peak: float = math.nan) -> float:
+    """The load the day's last scale-up must cover at least (NaN: the largest topology):
+    last_up_margin x the last 24 h's peak once a whole day is observed, before that
+    last_up_partial_margin x the highest rate observed so far (where on)."""
+    if cfg.last_up != "day-peak":
+        return math.nan
+    if not math.isnan(day_peak):
+        return cfg.last_up_margin * day_peak
+    if cfg.last_up_partial_margin > 0 and not math.isnan(partial_peak):
+        return cfg.last_up_partial_margin * partial_peak
+    return math.nan
 
 
 def _hold_scale_down(out, cur: Topology, tgt: Topology, saving: float, cost: float,

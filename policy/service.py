@@ -256,6 +256,7 @@ class ScaleInputs:
     day_peak: float = math.nan  # the highest rate of the last 24 h (NaN until a whole day is observed)
     growth: float = math.nan  # policy.scale.observed_growth of the last 24 h
     burst: float = math.nan  # policy.scale.observed_burst of the last burst_span_s (req/s)
+    partial_peak: float = math.nan  # until a whole day is observed, the highest rate so far
 
 
 def error_budget(table: CapacityTable, history: Sequence[Window], window_s: float, now_s: float,
@@ -315,12 +316,14 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
     day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
     whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
     day_peak = float(day.max()) if whole_day and day.size else math.nan
+    partial_peak = float(day.max()) if not whole_day and day.size else math.nan
     # its jumps (missing windows count as no traffic, as in a replay)
     growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile, cfg.bet_recent_windows(W))
     burst = math.nan
     if cfg.burst_span_s > 0:
         burst = observed_burst(r_all[t_all >= now_s - cfg.burst_span_s - 1e-9], peak_n, 1.0 + cfg.bet_growth_max)
-    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth, burst)
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth, burst,
+                       partial_peak)
 
 
 def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -983,7 +986,8 @@ class PolicyService:
         inp = scale_inputs(n.history, self.window_s, cfg, table, now)
         sd = decide_scale(st, now, inp.last_rate, band, table, cfg, inp.recent_peak,
                           inp.recent if cfg.sizing == "risk" else None, inp.error_budget,
-                          inp.seasonal, inp.day_goodput, inp.day_peak, inp.growth, inp.burst)
+                          inp.seasonal, inp.day_goodput, inp.day_peak, inp.growth, inp.burst,
+                          inp.partial_peak)
         if sd.recommended not in topos:  # never recommend what the node cannot take
             sd = replace(sd, recommended=cur, switch=False, reason="stay",
                          text=f"{sd.recommended} is not a candidate of this node; staying")

@@ -513,6 +513,9 @@ def test_scale_inputs_recent_peak_and_yesterdays_slot():
     # the last 24 h's peak sizes the day's last scale-up: known once a whole day is observed
     assert inp.day_peak == max(day)
     assert math.isnan(short.day_peak)
+    # ... before that, the highest rate so far sizes it (last_up_partial_margin; stop 46)
+    assert math.isnan(inp.partial_peak)
+    assert short.partial_peak == np.nanmax([w.rate for w in hist[-20:]])
     # the bet's growth from the last 24 h's jumps, the replay's way (missing windows: no traffic)
     # and at least the largest jump of the last bet_recent_s (30 min: 3 windows)
     assert c.bet_recent_windows(Wd) == 3 and ScaleConfig(bet_recent_s=0.0).bet_recent_windows(Wd) == 0

@@ -382,8 +382,23 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     # a quiet day never sizes below what the load asks for now
     d = decide_scale(last, now, x, band(x), table, day_peak=0.1, **kw)
     assert d.recommended == w4
-    # no whole day observed (NaN), or the older rule: the largest
+    # no whole day observed (NaN) and nothing observed, or the older rule: the largest
     assert decide_scale(last, now, x, band(x), table, **kw).recommended == largest
+    # less than a day observed (stop 46): 1.5 x the highest rate so far (1.5 x it fits world 4;
+    # a partial peak that needs the whole host, the whole host); 0 turns it off
+    assert ScaleConfig().last_up_partial_margin == 1.5
+    partial = table.slo_cap[w4] / 1.6
+    d = decide_scale(last, now, x, band(x), table, partial_peak=partial, **kw)
+    assert d.switch and d.reason == "scale-up" and d.recommended == w4, d.text
+    assert decide_scale(last, now, x, band(x), table, partial_peak=table.slo_cap[w4], **kw).recommended.world_size == 8
+    off = ScaleConfig(last_up_partial_margin=0)
+    assert decide_scale(last, now, x, band(x), table, off, partial_peak=partial, **kw).recommended == largest
+    # a whole day observed: its peak, not the partial one
+    d = decide_scale(last, now, x, band(x), table, day_peak=day_peak, partial_peak=table.slo_cap[w4], **kw)
+    assert d.recommended == w4
+    for bad in (0.5, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            ScaleConfig(last_up_partial_margin=bad)
     old = ScaleConfig(last_up="largest")
     assert decide_scale(last, now, x, band(x), table, old, day_peak=day_peak, **kw).recommended == largest
     # no switch left (the last one went to the day's peak and load passed it): the largest, once
