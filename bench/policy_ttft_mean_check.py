@@ -11,9 +11,9 @@ and their p50 / p90 are sums of per-part quantiles. This bench computes the mode
 (the prefill averaged over the prompt-length distribution by 24-point Gauss-Hermite quadrature,
 + R / 2, + the M/M/c mean wait C(c, rho) / (capacity - rate), C the Erlang C probability) for every topology of the built-in
 modelled profiles at 10-90 % of its capacity, and the TTFT slowdown the calibration would imply
-from it (the observed mean over ``mean_ttft``, as ``implied_ttft_slowdown`` reads it where the TTFT
-is not steep in the load; the table says on how many topologies it is read): 1 means no bias; above 1 a host exactly as modelled reads as
-slower (more GPUs than needed), below 1 the floor hides that much TTFT optimism. ~5 s.
+from it (the observed mean over ``mean_ttft``, as ``implied_ttft_slowdown`` reads it where the
+TTFT is not steep in the load; the table says on how many topologies it is read): 1 means no
+bias; above 1 a host exactly as modelled reads as slower (more GPUs than needed), below 1 the floor hides that much TTFT optimism. ~5 s.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def main() -> None:
     t0, runs = time.time(), []
     lines = ["# The TTFT calibration on a host exactly as modelled", "",
              "Implied TTFT slowdown (1: unbiased) from the model's own mean TTFT, per built-in modelled "
-             "profile and load share, over its topologies: median [min, max]; (k/n read): on how many "
-             "topologies the calibration reads it (since stop 46 not where the profile's mean TTFT is "
-             "steep in the load, policy.calibrate.STEEP_MAX).", "",
+             "profile and load share, over its topologies: median [min, max]; (k/n read): on how "
+             "many topologies the calibration reads it (since stop 46 not where the profile's mean "
+             "TTFT is steep in the load, policy.calibrate.STEEP_MAX).", "",
              "| profile | " + " | ".join(f"{int(100 * s)} % load" for s in SHARES) + " | all |",
              "|---|" + "---|" * (len(SHARES) + 1)]
     for gpu in ("h100", "h200"):
@@ -77,10 +77,12 @@ def main() -> None:
                                      # the factor the window implies, and whether the
                                      # calibration reads it (not where the TTFT is steep)
                                      implied=round(true / mean_ttft(c, rate), 4),
-                                     read=bool(math.isfinite(implied_ttft_slowdown(c, rate, true)))))
+                                     read=bool(math.isfinite(
+                                         implied_ttft_slowdown(c, rate, true)))))
             cells = []
             for share in (*SHARES, None):
-                rs = [r for r in runs if r["profile"] == prof.name and (share is None or r["share"] == share)]
+                rs = [r for r in runs if r["profile"] == prof.name
+                      and (share is None or r["share"] == share)]
                 v = np.array([r["implied"] for r in rs])
                 cells.append(f"{np.median(v):.3f} [{v.min():.3f}, {v.max():.3f}] "
                              f"({sum(r['read'] for r in rs)}/{len(rs)} read)")

@@ -124,7 +124,8 @@ def mean_ttft(curve: TopologyCurve, rate: float, s: float = 1.0) -> float:
     return s * lognormal_mean(p50, p90)
 
 
-def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float, s: float = 1.0) -> float:
+def implied_ttft_slowdown(curve: TopologyCurve, rate: float, ttft_s: float,
+                          s: float = 1.0) -> float:
     """The ``t`` with ``t · lognormal mean of the TTFT at s · rate = ttft_s`` (the observed mean
     TTFT; ``s`` the TPOT's slowdown in effect, which sets the load the queue sees), clamped into
     [0.25, 4]; NaN when the observation says nothing or ``s · rate`` is above the curve's capacity

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -623,7 +624,7 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             if s_now != ttft_read_at:  # (recomputed only when the TPOT's slowdown moves)
                 observed_ttft.clear()
                 ttft_read_at = s_now
-            for e, k, b, r, f in list(seen_ttft)[len(observed_ttft):]:
+            for e, k, b, r, f in itertools.islice(seen_ttft, len(observed_ttft), None):
                 observed_ttft.append(Observation(e, k, implied_ttft_slowdown(b, r, f, s_now)))
             key = (s_now, calibrated_slowdown(observed_ttft, end, s_now, cal.cfg,
                                               cal.cfg.ttft_min_windows))
@@ -663,8 +664,9 @@ def auto_topologies(series: WindowSeries, table: CapacityTable, rates: np.ndarra
             day = rates[lo:w]  # the last 24 h, NaN = missing
             obs = ~np.isnan(day)  # fixed-best's mean in-SLO rate over the last 24 h
             day_good = float(gbest[lo:w][obs].mean()) / W if obs.any() else math.nan
-            dpk = float(np.nanmax(day)) if w >= day_n and obs.any() else math.nan
-            ppk = float(np.nanmax(day)) if w < day_n and obs.any() else math.nan  # the day so far
+            # the last 24 h's peak once a whole day is observed, else the day so far's (ppk)
+            pk = float(np.nanmax(day)) if obs.any() else math.nan
+            dpk, ppk = (pk, math.nan) if w >= day_n else (math.nan, pk)
             grow = observed_growth(day, peak_n, cfg.bet_growth_quantile, recent_n)
             lo_b = max(0, w - burst_n)  # observed_burst of the span before w, from the rises computed once
             burst = (span_burst(rises[lo_b:max(lo_b, w - peak_n)], w - lo_b, peak_n)

@@ -50,7 +50,7 @@ never reaches the bar (too slow for the SLO even when idle) has SLO capacity 0.
   after the dwell (max(``min_dwell_s``, ``min_dwell_windows`` windows)), after a warm-up of as many
   observed windows in a row as the recent span (at the start and after a gap), with one switch of
   the rolling-24-h budget kept for a scale-up (``down_reserve``, 2, once the last scale-up is
-  sized by the day's peak: the one before it must not be spent on a scale-down, or a load past the
+  sized by the day's peak, or before a whole day by the peak so far: the one before it must not be spent on a scale-down, or a load past the
   day's peak would need a switch over the budget), at the budget's pace (fewer switches in the last
   ``pace_span_s`` than ``max_switches_per_day`` x ``pace_span_s`` / 24 h + ``pace_slack``: with
   12/day, 3 h and 1, a scale-down waits once 3 switches fell in the last 3 h, so a ladder with
@@ -130,7 +130,8 @@ class ScaleConfig:
     # traces a day long or shorter, held the whole host from the day's last switch on
     last_up_partial_margin: float = 1.5
     # a scale-down waits while the rolling day has this many switches or fewer left, once the day's
-    # last scale-up is sized by the day (last_up "day-peak" with a day observed; 1 otherwise)
+    # last scale-up is sized by the day (last_up "day-peak" with a day, or since stop 46 part of
+    # one, observed; 1 otherwise)
     down_reserve: int = 2
     # the bet's growth is at least this quantile of the jumps the last 24 h showed (a window's
     # rate over the peak of the peak_s before it, minus 1), at most bet_growth_max: a trace
@@ -448,8 +449,8 @@ def _scale_up(out, table: CapacityTable, cur: Topology, tgt: Topology, up_n: int
     to the cheapest topology covering ``last_need`` (``last_up`` "day-peak": last_up_margin x the
     highest rate of the last 24 h, known once a whole day has been observed), or to the largest
     (``last_up`` "largest", or nothing observed yet; before a whole day is observed ``last_need``
-    is last_up_partial_margin x the highest rate so far). Should load pass that anyway (``left`` 0), the
-    scale-up goes to the largest: one switch over the day's budget rather than the SLO lost."""
+    is last_up_partial_margin x the highest rate so far). Should load pass that anyway
+    (``left`` 0), the scale-up goes to the largest: one switch over the day's budget rather than the SLO lost."""
     largest = max(table.order, key=lambda t: table.slo_cap[t])
     if table.slo_cap[tgt] <= table.slo_cap.get(cur, 0.0) or left <= 0:
         tgt = largest

@@ -238,8 +238,9 @@ class Window:
     tpot_requests: float = 0.0  # ... how many
     implied: float = math.nan  # the slowdown that TPOT implies (policy.calibrate; NaN: unusable)
     ttft_requests: float = 0.0  # requests that reached their first token in it
-    ttft_s: float = math.nan  # their mean TTFT, for calibration (NaN: unusable; its implied slowdown
-    #                           depends on the TPOT's slowdown then, so it is read at calibration)
+    # their mean TTFT, for calibration (NaN: unusable; its implied slowdown depends on the TPOT's
+    # slowdown then, so it is read at calibration)
+    ttft_s: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -315,15 +316,15 @@ def scale_inputs(history: Sequence[Window], window_s: float, cfg: ScaleConfig,
     day = last_day[~np.isnan(last_day)]
     day_good = float(np.mean(table.scorer.goodput_rps(table.fixed_best, day))) if day.size else math.nan
     whole_day = bool(history) and history[0].t0 <= now_s - DAY_S + 1e-6
-    day_peak = float(day.max()) if whole_day and day.size else math.nan
-    partial_peak = float(day.max()) if not whole_day and day.size else math.nan
+    pk = float(day.max()) if day.size else math.nan
+    day_peak, partial_peak = (pk, math.nan) if whole_day else (math.nan, pk)
     # its jumps (missing windows count as no traffic, as in a replay)
     growth = observed_growth(last_day, peak_n, cfg.bet_growth_quantile, cfg.bet_recent_windows(W))
     burst = math.nan
     if cfg.burst_span_s > 0:
         burst = observed_burst(r_all[t_all >= now_s - cfg.burst_span_s - 1e-9], peak_n, 1.0 + cfg.bet_growth_max)
-    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth, burst,
-                       partial_peak)
+    return ScaleInputs(last, rates[-rec_n:], peak, budget, seasonal, day_good, day_peak, growth,
+                       burst, partial_peak)
 
 
 def load_samples(band: Band, recent: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:

@@ -390,11 +390,14 @@ def test_the_days_last_switch_covers_the_days_peak_once_a_day_is_observed(table)
     partial = table.slo_cap[w4] / 1.6
     d = decide_scale(last, now, x, band(x), table, partial_peak=partial, **kw)
     assert d.switch and d.reason == "scale-up" and d.recommended == w4, d.text
-    assert decide_scale(last, now, x, band(x), table, partial_peak=table.slo_cap[w4], **kw).recommended.world_size == 8
+    d = decide_scale(last, now, x, band(x), table, partial_peak=table.slo_cap[w4], **kw)
+    assert d.recommended.world_size == 8
     off = ScaleConfig(last_up_partial_margin=0)
-    assert decide_scale(last, now, x, band(x), table, off, partial_peak=partial, **kw).recommended == largest
+    d = decide_scale(last, now, x, band(x), table, off, partial_peak=partial, **kw)
+    assert d.recommended == largest
     # a whole day observed: its peak, not the partial one
-    d = decide_scale(last, now, x, band(x), table, day_peak=day_peak, partial_peak=table.slo_cap[w4], **kw)
+    d = decide_scale(last, now, x, band(x), table, day_peak=day_peak,
+                     partial_peak=table.slo_cap[w4], **kw)
     assert d.recommended == w4
     for bad in (0.5, math.inf, math.nan):
         with pytest.raises(ValueError):
